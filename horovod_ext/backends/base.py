@@ -1,0 +1,203 @@
+"""The one communicator interface that every algorithm in horovod_ext is written against.
+
+A Communicator is a group of ranks that can exchange tensors.  Implementations exist for
+torch.distributed (Gloo on CPU, NCCL on CUDA) and for MPI (mpi4py).  Algorithms (Adasum, 1-bit,
+random-k) use only the methods declared here, the way Horovod's C++ ``Adasum<Comm>`` uses only a
+handful of communicator methods.
+
+Conventions: collectives work on contiguous tensors; ``allreduce``/``broadcast`` are in place,
+the others return new tensors.  Every call finishes or raises ``CommunicationError`` within the
+communicator's timeout.
+"""
+import enum
+import pickle
+from abc import ABC, abstractmethod
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed: a peer died, stopped answering, or the transport broke."""
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    PRODUCT = "product"
+
+
+# bool has no arithmetic: OR for sum/max, AND for product/min, carried as uint8.
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX,
+             ReduceOp.MIN: ReduceOp.MIN, ReduceOp.PRODUCT: ReduceOp.MIN}
+
+
+def split_sizes(total: int, parts: int) -> List[int]:
+    """Split ``total`` items into ``parts`` nearly equal counts, the first ones one larger."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+class Communicator(ABC):
+    """A group of ``size`` ranks; this process is ``rank`` in it."""
+
+    rank: int
+    size: int
+
+    # --- collectives every implementation provides -------------------------------------------
+    @abstractmethod
+    def _allreduce(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """In-place allreduce of a contiguous non-bool tensor."""
+
+    @abstractmethod
+    def _allgather(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Concatenate along dim 0 the tensors of all ranks; rank i contributes counts[i] rows."""
+
+    @abstractmethod
+    def _alltoall(self, tensor: torch.Tensor, send_splits: Sequence[int],
+                  recv_splits: Sequence[int]) -> torch.Tensor:
+        """Send rows send_splits[i] to rank i; receive recv_splits[i] rows from rank i."""
+
+    @abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        """In-place broadcast from ``root``."""
+
+    @abstractmethod
+    def sendrecv(self, send: Optional[torch.Tensor], dst: Optional[int],
+                 recv: Optional[torch.Tensor], src: Optional[int]) -> None:
+        """Send ``send`` to ``dst`` while receiving into ``recv`` from ``src`` (either may be None)."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has entered."""
+
+    @abstractmethod
+    def split(self, colour: int, key: Optional[int] = None) -> "Communicator":
+        """Collective over this communicator: ranks with equal colour form a new communicator,
+        ordered by (key, rank)."""
+
+    @abstractmethod
+    def subgroup(self, ranks: Sequence[int]) -> Optional["Communicator"]:
+        """Communicator of the listed ranks (ranks of this communicator, in that order).  Called
+        by the listed ranks only; returns None on a rank that is not listed."""
+
+    def close(self) -> None:
+        """Release transport resources; the communicator is unusable afterwards."""
+
+    # --- dtype handling shared by all implementations ----------------------------------------
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """In-place allreduce; returns ``tensor``.  bool reduces as OR (sum, max) / AND."""
+        if self.size == 1:
+            return tensor
+        if tensor.dtype == torch.bool:
+            carrier = tensor.to(torch.uint8)
+            self._allreduce(carrier, _BOOL_OPS[op])
+            tensor.copy_(carrier.bool())
+            return tensor
+        self._allreduce(tensor, op)
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor, counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Concatenation over ranks along dim 0; ``counts`` gives every rank's first dimension
+        (uneven allowed).  Without counts the first dimensions are exchanged first."""
+        tensor = tensor.contiguous()
+        if tensor.dim() == 0:
+            tensor = tensor.reshape(1)
+        if counts is None:
+            counts = self.allgather_counts(tensor.shape[0])
+        if self.size == 1:
+            return tensor.clone()
+        return self._allgather(tensor, list(counts))
+
+    def allgather_counts(self, count: int) -> List[int]:
+        """Every rank's integer ``count``, in rank order."""
+        if self.size == 1:
+            return [count]
+        mine = torch.tensor([count], dtype=torch.int64)
+        return [int(c) for c in self._allgather(mine, [1] * self.size).tolist()]
+
+    def alltoall(self, tensor: torch.Tensor, send_splits: Optional[Sequence[int]] = None,
+                 recv_splits: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """All-to-all along dim 0.  Without splits dim 0 is divided evenly; without recv_splits
+        they are exchanged first."""
+        tensor = tensor.contiguous()
+        if send_splits is None:
+            if tensor.shape[0] % self.size:
+                raise ValueError(f"alltoall: first dimension {tensor.shape[0]} is not divisible "
+                                 f"by the number of ranks {self.size}; pass splits")
+            send_splits = [tensor.shape[0] // self.size] * self.size
+        if recv_splits is None:
+            recv_splits = self.exchange_splits(send_splits)
+        if self.size == 1:
+            return tensor.clone()
+        return self._alltoall(tensor, list(send_splits), list(recv_splits))
+
+    def exchange_splits(self, send_splits: Sequence[int]) -> List[int]:
+        """recv_splits[i] = rank i's send_splits[self.rank]."""
+        if self.size == 1:
+            return list(send_splits)
+        table = self._allgather(torch.tensor(list(send_splits), dtype=torch.int64),
+                                [self.size] * self.size).reshape(self.size, self.size)
+        return [int(x) for x in table[:, self.rank].tolist()]
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """In-place broadcast from ``root``; returns ``tensor``."""
+        if self.size > 1:
+            self._broadcast(tensor, root)
+        return tensor
+
+    def reduce_scatter(self, tensor: torch.Tensor, counts: Sequence[int],
+                       op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Reduce a flat tensor over ranks; rank i receives the reduced elements of its block
+        of ``counts[i]`` elements.  Default: all-to-all then a local reduction."""
+        flat = tensor.reshape(-1)
+        if self.size == 1:
+            return flat.clone()
+        parts = self._alltoall(flat, list(counts), [counts[self.rank]] * self.size)
+        parts = parts.reshape(self.size, counts[self.rank])
+        return _reduce_rows(parts, op)
+
+    # --- object helpers (pickle over uint8 tensors) -------------------------------------------
+    def broadcast_object(self, obj=None, root: int = 0):
+        if self.size == 1:
+            return obj
+        payload = _dumps(obj) if self.rank == root else torch.empty(0, dtype=torch.uint8)
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        self._broadcast(length, root)
+        if self.rank != root:
+            payload = torch.empty(int(length), dtype=torch.uint8)
+        self._broadcast(payload, root)
+        return obj if self.rank == root else _loads(payload)
+
+    def allgather_object(self, obj) -> list:
+        payload = _dumps(obj)
+        if self.size == 1:
+            return [obj]
+        counts = self.allgather_counts(payload.numel())
+        gathered = self._allgather(payload, counts)
+        out, offset = [], 0
+        for c in counts:
+            out.append(_loads(gathered[offset:offset + c]))
+            offset += c
+        return out
+
+
+def _reduce_rows(parts: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    if parts.dtype == torch.bool:
+        op = _BOOL_OPS[op]
+    if op is ReduceOp.SUM:
+        return parts.sum(0, dtype=parts.dtype)
+    if op is ReduceOp.MIN:
+        return parts.min(0).values
+    if op is ReduceOp.MAX:
+        return parts.max(0).values
+    return parts.prod(0, dtype=parts.dtype)
+
+
+def _dumps(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _loads(payload: torch.Tensor):
+    return pickle.loads(payload.numpy().tobytes())

@@ -1,0 +1,114 @@
+"""Start-up: find out how this process was launched and build the world communicator.
+
+Recognised launches, in this order: mpirun (Open MPI, MPICH/Hydra, any PMIx launcher), our own
+launcher's HOROVOD_* variables, torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and a plain
+single process.  The data transport is chosen separately ("mpi" or "gloo"), as Horovod's
+HOROVOD_CPU_OPERATIONS does.
+"""
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from .base import Communicator
+
+_MPI_VARS = [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+             ("PMIX_RANK", "OMPI_UNIVERSE_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")]
+
+
+@dataclass
+class Launch:
+    kind: str            # "mpirun", "horovod", "torchrun" or "single"
+    rank: int
+    size: int
+
+
+def _int(env, name):
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def detect_launch(env: Mapping[str, str] = os.environ) -> Launch:
+    for rank_var, size_var in _MPI_VARS:
+        if rank_var in env and size_var in env:
+            return Launch("mpirun", _int(env, rank_var), _int(env, size_var))
+    if "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env:
+        return Launch("horovod", _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE"))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"))
+    return Launch("single", 0, 1)
+
+
+def started_by_mpirun(env: Mapping[str, str] = os.environ) -> bool:
+    return detect_launch(env).kind == "mpirun"
+
+
+def hostname(env: Mapping[str, str] = os.environ) -> str:
+    """HOROVOD_HOSTNAME overrides the host name, so tests can make several 'nodes' on one host."""
+    return env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
+def create_world(transport: str, timeout: float, use_nccl: bool,
+                 env: Mapping[str, str] = os.environ, mpi_comm=None) -> Communicator:
+    """The communicator over every process of this job, for ``transport`` "mpi" or "gloo"."""
+    launch = detect_launch(env)
+    if transport == "mpi":
+        from .mpi import MPICommunicator, _mpi
+        if mpi_comm is not None:
+            return MPICommunicator(mpi_comm.Dup(), timeout)
+        if launch.kind not in ("mpirun", "single"):
+            raise RuntimeError(f"MPI operations were asked for, but this process was started by "
+                               f"{launch.kind} (rank {launch.rank} of {launch.size}), not mpirun; "
+                               f"start it with mpirun or set HOROVOD_CPU_OPERATIONS=gloo")
+        world = MPICommunicator.world(timeout)
+        if world.size != launch.size:
+            raise RuntimeError(f"MPI reports {world.size} processes but the launcher said "
+                               f"{launch.size}; was mpi4py built against another MPI?")
+        return world
+    if transport != "gloo":
+        raise ValueError(f"unknown transport {transport!r}: expected 'mpi' or 'gloo'")
+    return _create_gloo_world(launch, timeout, use_nccl, env, mpi_comm)
+
+
+def _create_gloo_world(launch: Launch, timeout: float, use_nccl: bool, env, mpi_comm):
+    import torch.distributed as dist
+    from .torch_dist import TorchCommunicator
+
+    delta = datetime.timedelta(seconds=timeout)
+    if dist.is_initialized():  # the user set up torch.distributed already: use it
+        return TorchCommunicator.world(use_nccl, delta)
+    if launch.kind == "torchrun":
+        dist.init_process_group("gloo", init_method="env://", timeout=delta)
+    elif launch.kind == "single":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
+    else:
+        if launch.kind == "horovod":
+            addr = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+            port = _int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT") if "HOROVOD_GLOO_RENDEZVOUS_PORT" in env else None
+            if port is None:
+                raise RuntimeError("HOROVOD_RANK/HOROVOD_SIZE are set but "
+                                   "HOROVOD_GLOO_RENDEZVOUS_PORT is not: cannot find the peers")
+        else:  # under mpirun with Gloo data: agree on a rendezvous point through MPI
+            addr, port = _rendezvous_over_mpi(mpi_comm)
+        store = dist.TCPStore(addr, port, launch.size, launch.rank == 0, timeout=delta)
+        dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.size,
+                                timeout=delta)
+    return TorchCommunicator.world(use_nccl, delta)
+
+
+def _rendezvous_over_mpi(mpi_comm):
+    from mpi4py import MPI
+    from .control import local_ipv4_addresses
+    comm = mpi_comm or MPI.COMM_WORLD
+    if comm.Get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        info = (socket.gethostname(), local_ipv4_addresses(), port)
+    else:
+        info = None
+    host, addrs, port = comm.bcast(info, root=0)
+    return ("127.0.0.1" if host == socket.gethostname() else addrs[0]), port

@@ -1,0 +1,62 @@
+"""Which ranks share a node: the world, local (same host) and cross (same local rank) groups.
+
+Hosts are told apart by host name (HOROVOD_HOSTNAME overrides it); nodes are numbered in the
+order of their lowest rank, and local ranks follow global rank order inside a node.
+"""
+from dataclasses import dataclass
+from typing import List
+
+from .base import Communicator
+
+
+@dataclass
+class Topology:
+    world: Communicator
+    local: Communicator
+    cross: Communicator
+    hostnames: List[str]      # per world rank
+    node_of: List[int]        # node index per world rank
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    is_homogeneous: bool
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    @property
+    def num_nodes(self) -> int:
+        return max(self.node_of) + 1
+
+    @classmethod
+    def build(cls, world: Communicator, hostname: str) -> "Topology":
+        hostnames = world.allgather_object(hostname)
+        nodes: List[str] = []
+        for h in hostnames:
+            if h not in nodes:
+                nodes.append(h)
+        node_of = [nodes.index(h) for h in hostnames]
+        me = world.rank
+        local_ranks = [r for r in range(world.size) if node_of[r] == node_of[me]]
+        local_rank = local_ranks.index(me)
+        local_sizes = [node_of.count(n) for n in range(len(nodes))]
+        local = world if len(nodes) == 1 else world.split(node_of[me])
+        # Ranks with the same local rank, one per node that has that many processes.
+        position = [[r for r in range(world.size) if node_of[r] == node_of[q]].index(q)
+                    for q in range(world.size)]
+        cross_members = [r for r in range(world.size) if position[r] == local_rank]
+        cross = world if len(cross_members) == world.size else world.split(local_rank)
+        return cls(world=world, local=local, cross=cross, hostnames=hostnames, node_of=node_of,
+                   local_rank=local_rank, local_size=len(local_ranks),
+                   cross_rank=cross_members.index(me), cross_size=len(cross_members),
+                   is_homogeneous=len(set(local_sizes)) == 1)
+
+    def close(self):
+        for comm in {id(c): c for c in (self.cross, self.local, self.world)}.values():
+            comm.close()

@@ -1,0 +1,150 @@
+"""Communicator over torch.distributed: Gloo for CPU tensors, NCCL for CUDA tensors.
+
+One code path for both devices: each communicator holds a Gloo process group and, where CUDA and
+NCCL are available and wanted, an NCCL group over the same ranks; a call picks the group from the
+tensor's device.  CUDA tensors without NCCL are staged through host memory over Gloo.
+"""
+import datetime
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .base import CommunicationError, Communicator, ReduceOp
+
+_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
+              ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
+
+
+def _wrap_errors(fn):
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except CommunicationError:
+            raise
+        except RuntimeError as exc:  # Gloo/NCCL report timeouts and dead peers as RuntimeError
+            raise CommunicationError(f"torch.distributed {fn.__name__.lstrip('_')} failed on "
+                                     f"rank {self.rank} of {self.size}: {exc}") from exc
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+class TorchCommunicator(Communicator):
+    """Ranks ``global_ranks`` of the default torch.distributed world."""
+
+    def __init__(self, global_ranks: Sequence[int], cpu_group, cuda_group=None,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=60)):
+        self.global_ranks = list(global_ranks)
+        self.size = len(self.global_ranks)
+        self.rank = self.global_ranks.index(dist.get_rank())
+        self._cpu_group = cpu_group
+        self._cuda_group = cuda_group
+        self._timeout = timeout
+
+    @classmethod
+    def world(cls, use_nccl: bool, timeout: datetime.timedelta) -> "TorchCommunicator":
+        """The default process group (Gloo) plus, when asked, an NCCL group over all ranks."""
+        cuda_group = dist.new_group(backend="nccl", timeout=timeout) if use_nccl else None
+        return cls(range(dist.get_world_size()), dist.group.WORLD, cuda_group, timeout)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _group_for(self, tensor: torch.Tensor):
+        if tensor.is_cuda and self._cuda_group is not None:
+            return self._cuda_group, tensor, None
+        if tensor.is_cuda:  # no NCCL: stage through host memory over Gloo
+            host = tensor.cpu()
+            return self._cpu_group, host, tensor
+        return self._cpu_group, tensor, None
+
+    # --- collectives --------------------------------------------------------------------------
+    @_wrap_errors
+    def _allreduce(self, tensor, op):
+        group, t, orig = self._group_for(tensor)
+        dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
+        if orig is not None:
+            orig.copy_(t)
+
+    @_wrap_errors
+    def _allgather(self, tensor, counts):
+        group, t, orig = self._group_for(tensor)
+        rows = max(counts)
+        if t.shape[0] != rows:  # uneven: pad every rank to the longest, trim afterwards
+            padded = t.new_zeros((rows,) + tuple(t.shape[1:]))
+            padded[:t.shape[0]] = t
+            t = padded
+        out = t.new_empty((rows * self.size,) + tuple(t.shape[1:]))
+        dist.all_gather_into_tensor(out, t, group=group)
+        if any(c != rows for c in counts):
+            out = torch.cat([out[i * rows:i * rows + c] for i, c in enumerate(counts)])
+        return out.to(orig.device) if orig is not None else out
+
+    @_wrap_errors
+    def _alltoall(self, tensor, send_splits, recv_splits):
+        group, t, orig = self._group_for(tensor)
+        out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
+        dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
+                               input_split_sizes=list(send_splits), group=group)
+        return out.to(orig.device) if orig is not None else out
+
+    @_wrap_errors
+    def _broadcast(self, tensor, root):
+        group, t, orig = self._group_for(tensor)
+        dist.broadcast(t, src=self.global_ranks[root], group=group)
+        if orig is not None:
+            orig.copy_(t)
+
+    @_wrap_errors
+    def reduce_scatter(self, tensor, counts, op=ReduceOp.SUM):
+        flat = tensor.reshape(-1)
+        if self.size == 1:
+            return flat.clone()
+        if flat.dtype == torch.bool:
+            return super().reduce_scatter(tensor, counts, op)
+        group, t, orig = self._group_for(flat)
+        out = t.new_empty(counts[self.rank])
+        dist.reduce_scatter(out, list(torch.split(t, list(counts))), op=_TORCH_OPS[op], group=group)
+        return out.to(orig.device) if orig is not None else out
+
+    @_wrap_errors
+    def sendrecv(self, send, dst, recv, src):
+        works = []
+        if send is not None:
+            group, t, _ = self._group_for(send)
+            works.append(dist.isend(t.contiguous(), self.global_ranks[dst], group=group))
+        staged = None
+        if recv is not None:
+            group, staged, orig = self._group_for(recv)
+            works.append(dist.irecv(staged, self.global_ranks[src], group=group))
+        for w in works:
+            w.wait()
+        if recv is not None and staged is not recv:
+            recv.copy_(staged)
+
+    @_wrap_errors
+    def barrier(self):
+        if self.size > 1:
+            dist.barrier(group=self._cpu_group)
+
+    def split(self, colour, key=None):
+        entries = self.allgather_object((colour, self.rank if key is None else key, self.rank))
+        members = sorted((k, r) for c, k, r in entries if c == colour)
+        return self.subgroup([r for _, r in members])
+
+
+    def subgroup(self, ranks):
+        ranks = list(ranks)
+        if self.rank not in ranks:
+            return None
+        global_ranks = [self.global_ranks[r] for r in ranks]
+        if global_ranks != sorted(global_ranks):
+            # torch.distributed orders a group's ranks by global rank; keep that order here too.
+            raise ValueError(f"subgroup ranks must be in ascending order, got {ranks}")
+        if global_ranks == self.global_ranks:
+            return self
+        # Only the members take part, so disjoint groups can be built at the same time.
+        cpu = dist.new_group(global_ranks, timeout=self._timeout, backend="gloo",
+                             use_local_synchronization=True)
+        cuda = (dist.new_group(global_ranks, timeout=self._timeout, backend="nccl",
+                               use_local_synchronization=True)
+                if self._cuda_group is not None else None)
+        return TorchCommunicator(global_ranks, cpu, cuda, self._timeout)

@@ -1,0 +1,83 @@
+"""The communicators an op may use, and flat or hierarchical dispatch of the common collectives.
+
+Hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1, several nodes with the same number of
+processes): reduce-scatter inside the node, a cross-node step on each rank's shard among the ranks
+with the same local rank, all-gather inside the node.  The cross-node step is a parameter, so
+Adasum, 1-bit and random-k plug their own algorithm into it instead of copying this code.
+"""
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .backends.base import Communicator, ReduceOp, split_sizes
+from .backends.topology import Topology
+
+# cross_step(shard, shard_offset, topology) -> reduced shard (may be the same tensor)
+CrossStep = Callable[[torch.Tensor, int, Topology], torch.Tensor]
+
+
+class Collectives:
+    def __init__(self, topology: Topology, hierarchical_allreduce: bool = False,
+                 hierarchical_allgather: bool = False):
+        self.topology = topology
+        self.world: Communicator = topology.world
+        self.hierarchical_allreduce = hierarchical_allreduce
+        self.hierarchical_allgather = hierarchical_allgather
+
+    @property
+    def hierarchy_applies(self) -> bool:
+        """Several nodes, more than one process on each, and the same number on each."""
+        t = self.topology
+        return t.num_nodes > 1 and t.local_size > 1 and t.is_homogeneous
+
+    def allreduce(self, buffer: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                  cross_step: Optional[CrossStep] = None) -> torch.Tensor:
+        """In-place allreduce of a flat buffer; returns it."""
+        if self.hierarchical_allreduce and self.hierarchy_applies:
+            return hierarchical_allreduce(buffer, self.topology, op, cross_step)
+        if cross_step is not None:
+            return buffer.copy_(cross_step(buffer, 0, self.topology))
+        return self.world.allreduce(buffer, op)
+
+    def allgather(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        if self.hierarchical_allgather and self.hierarchy_applies:
+            return hierarchical_allgather(tensor, self.topology, counts)
+        return self.world.allgather(tensor, counts)
+
+
+def hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceOp,
+                           cross_step: Optional[CrossStep] = None) -> torch.Tensor:
+    flat = buffer.view(-1)
+    counts = split_sizes(flat.numel(), topology.local_size)
+    offset = sum(counts[:topology.local_rank])
+    shard = topology.local.reduce_scatter(flat, counts, op)
+    if cross_step is None:
+        shard = topology.cross.allreduce(shard, op)
+    else:
+        shard = cross_step(shard, offset, topology)
+    flat.copy_(topology.local.allgather(shard, counts))
+    return buffer
+
+
+def hierarchical_allgather(tensor: torch.Tensor, topology: Topology,
+                           counts: Sequence[int]) -> torch.Tensor:
+    """Gather inside the node, then node blocks across nodes; rows come back in rank order."""
+    node_of = topology.node_of
+    members = [[r for r in range(len(node_of)) if node_of[r] == n]
+               for n in range(topology.num_nodes)]
+    mine = members[node_of[topology.rank]]
+    block = topology.local.allgather(tensor, [counts[r] for r in mine])
+    node_rows = [sum(counts[r] for r in m) for m in members]
+    # The cross communicator is ordered by global rank, which need not be node order.
+    cross_members = sorted(r for r in range(len(node_of))
+                           if members[node_of[r]].index(r) == topology.local_rank)
+    node_order = [node_of[r] for r in cross_members]
+    everything = topology.cross.allgather(block, [node_rows[n] for n in node_order])
+    starts: List[int] = [0] * len(node_of)
+    pos = 0
+    for n in node_order:
+        for r in members[n]:
+            starts[r] = pos
+            pos += counts[r]
+    order = torch.cat([torch.arange(starts[r], starts[r] + counts[r]) for r in range(len(node_of))])
+    return everything.index_select(0, order.to(everything.device))

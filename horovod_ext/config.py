@@ -1,0 +1,95 @@
+"""Horovod's environment variables, read once at init and checked, with clear errors.
+
+Horovod's names and defaults where Horovod has the variable; our additions are named in the same
+style and listed in README.md.
+"""
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value horovod_ext cannot use."""
+
+
+def _get(env, name, default, parse, check=None, expect=""):
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = parse(raw.strip())
+    except ValueError:
+        value = None
+    if value is None or (check is not None and not check(value)):
+        raise ConfigError(f"{name}={raw!r} is not valid: expected {expect}")
+    return value
+
+
+def _bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on", "y", "t"):
+        return True
+    if low in ("0", "false", "no", "off", "n", "f"):
+        return False
+    raise ValueError(raw)
+
+
+def _choice(*options):
+    def parse(raw):
+        low = raw.lower()
+        if low not in options:
+            raise ValueError(raw)
+        return low
+    return parse
+
+
+@dataclass
+class Config:
+    fusion_threshold: int = 128 * 1024 * 1024   # bytes; 0 disables fusion
+    cycle_time_ms: float = 1.0
+    cache_capacity: int = 1024
+    hierarchical_allreduce: bool = False
+    hierarchical_allgather: bool = False
+    cpu_operations: Optional[str] = None         # "mpi" | "gloo" | None (auto)
+    gpu_operations: Optional[str] = None         # "nccl" | "mpi" | None (auto)
+    stall_check: bool = True
+    stall_warning_s: float = 60.0
+    stall_shutdown_s: float = 0.0                # 0: never abort stalled tensors
+    timeout_s: float = 60.0
+    control_iface: Optional[str] = None
+    log_level: str = "warning"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Config":
+        positive = lambda v: v > 0  # noqa: E731
+        non_negative = lambda v: v >= 0  # noqa: E731
+        timeout = _get(env, "HOROVOD_GLOO_TIMEOUT_SECONDS", 60.0, float, positive,
+                       "a positive number of seconds")
+        return cls(
+            fusion_threshold=_get(env, "HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold, int,
+                                  non_negative, "a non-negative number of bytes"),
+            cycle_time_ms=_get(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms, float, non_negative,
+                               "a non-negative number of milliseconds"),
+            cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,
+                                non_negative, "a non-negative integer"),
+            hierarchical_allreduce=_get(env, "HOROVOD_HIERARCHICAL_ALLREDUCE", False, _bool,
+                                        expect="0 or 1"),
+            hierarchical_allgather=_get(env, "HOROVOD_HIERARCHICAL_ALLGATHER", False, _bool,
+                                        expect="0 or 1"),
+            cpu_operations=_get(env, "HOROVOD_CPU_OPERATIONS", None, _choice("mpi", "gloo"),
+                                expect="'mpi' or 'gloo'"),
+            gpu_operations=_get(env, "HOROVOD_GPU_OPERATIONS", None, _choice("nccl", "mpi"),
+                                expect="'nccl' or 'mpi'"),
+            stall_check=not _get(env, "HOROVOD_STALL_CHECK_DISABLE", False, _bool,
+                                 expect="0 or 1"),
+            stall_warning_s=_get(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0, float, positive,
+                                 "a positive number of seconds"),
+            stall_shutdown_s=_get(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float,
+                                  non_negative, "a non-negative number of seconds"),
+            timeout_s=_get(env, "HOROVOD_COMM_TIMEOUT_SECONDS", timeout, float, positive,
+                           "a positive number of seconds"),
+            control_iface=_get(env, "HOROVOD_GLOO_IFACE", None, str),
+            log_level=_get(env, "HOROVOD_LOG_LEVEL", "warning",
+                           _choice("trace", "debug", "info", "warning", "error", "fatal"),
+                           "one of trace, debug, info, warning, error, fatal"),
+        )

@@ -1,0 +1,509 @@
+"""The background engine: named requests, negotiation each cycle, fusion, execution.
+
+As in Horovod, API calls only enqueue a request and return a handle.  A background thread runs
+cycles; in each cycle every rank sends what it has newly submitted (a cache id for a request seen
+before with the same shape, its full description otherwise) over the control plane, so every rank
+holds the same table of who submitted what.  A name becomes ready when every (non-joined) rank has
+submitted it; ready requests are checked for agreement (kind, op, dtype, shape, root, scaling),
+packed into fusion buffers up to HOROVOD_FUSION_THRESHOLD bytes and reduced with one op call per
+buffer.  Ranks may submit in different orders.  Disagreements fail on every rank with an error
+naming the tensor and the ranks; a name left unmatched at shutdown fails the same way; a peer
+that dies or goes silent fails every pending request within the communication timeout.
+
+Cycle timing: with requests waiting, a rank runs a cycle every HOROVOD_CYCLE_TIME ms so that
+tensors submitted close together are fused; a request submitted while the rank was idle, or one
+that a caller is blocked on, starts a cycle at once, which keeps a lone synchronous call's latency
+near one network round trip.  Idle ranks cycle every ``IDLE_CYCLE_S`` to serve their peers.
+"""
+import logging
+import pickle
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .backends.base import CommunicationError, split_sizes
+from .backends.control import ControlChannel
+from .collectives import Collectives
+from .config import Config
+from .ops import Layer, average_, get_op, scale_
+
+log = logging.getLogger("horovod_ext")
+
+IDLE_CYCLE_S = 0.01
+JOIN_NAME = "__horovod_ext_join__"
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective could not complete (mismatch across ranks, dead peer, shutdown)."""
+
+
+class Handle:
+    """What an async call returns; pass it to synchronize() or poll()."""
+
+    __slots__ = ("name", "post", "_event", "_result", "_error", "_engine")
+
+    def __init__(self, name: str, engine: "Engine"):
+        self.name = name
+        self.post = None  # the API's finishing touch on the raw result (unwrap, decompress)
+        self._event = threading.Event()
+        self._result = None
+        self._error: Optional[BaseException] = None
+        self._engine = engine
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _finish(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._event.set()
+
+    def wait(self):
+        if not self._event.is_set():
+            self._engine.wait_for(self)
+        if self._error is not None:
+            raise self._error
+        return self.post(self._result) if self.post is not None else self._result
+
+
+@dataclass
+class Request:
+    name: str
+    kind: str                       # allreduce allgather broadcast alltoall reducescatter barrier join
+    tensors: List[torch.Tensor]     # inputs
+    outputs: Optional[List[torch.Tensor]] = None   # in-place targets (allreduce_, broadcast_)
+    op: str = "sum"
+    root: int = 0
+    splits: Optional[Tuple[int, ...]] = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    handle: Optional[Handle] = None
+    meta: Tuple = field(default=())
+
+    def describe(self) -> Tuple:
+        t = self.tensors[0] if self.tensors else None
+        dtype = str(t.dtype).replace("torch.", "") if t is not None else ""
+        device = t.device.type if t is not None else "cpu"
+        shapes = tuple(tuple(x.shape) for x in self.tensors)
+        return (self.kind, self.op, dtype, device, shapes, self.root, self.splits,
+                self.prescale, self.postscale)
+
+
+_META_FIELDS = ("kind", "op", "dtype", "device", "shape", "root rank", "splits",
+                "prescale_factor", "postscale_factor")
+
+
+def _agreement_key(meta: Tuple) -> Tuple:
+    """The parts of a request that must be equal on every rank."""
+    kind, op, dtype, device, shapes, root, splits, pre, post = meta
+    if kind in ("allgather", "alltoall"):  # first dimensions and splits may differ
+        shapes = tuple(s[1:] for s in shapes)
+        splits = None
+    return (kind, op, dtype, device, shapes, root, splits, pre, post)
+
+
+def _mismatch_message(name: str, metas: Dict[int, Tuple]) -> Optional[str]:
+    keys = {r: _agreement_key(m) for r, m in metas.items()}
+    first = next(iter(keys.values()))
+    if all(k == first for k in keys.values()):
+        return None
+    for i, label in enumerate(_META_FIELDS):
+        values: Dict[Any, List[int]] = {}
+        for r, k in sorted(keys.items()):
+            values.setdefault(repr(k[i]), []).append(r)
+        if len(values) > 1:
+            detail = "; ".join(f"ranks {rs}: {v}" for v, rs in values.items())
+            return f"mismatched {label} for tensor '{name}' across ranks ({detail})"
+    return f"mismatched requests for tensor '{name}'"
+
+
+class _ResponseCache:
+    """Requests that recur with the same descriptions get a small integer id on every rank."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.by_id: Dict[int, Tuple[str, Dict[int, Tuple]]] = {}
+        self.by_name: Dict[str, int] = {}
+        self._next = 0
+
+    def lookup(self, name: str, rank: int, meta: Tuple) -> Optional[int]:
+        cid = self.by_name.get(name)
+        if cid is not None and self.by_id[cid][1].get(rank) == meta:
+            return cid
+        return None
+
+    def add(self, name: str, metas: Dict[int, Tuple]):
+        if name in self.by_name or len(self.by_id) >= self.capacity:
+            return
+        self.by_id[self._next] = (name, dict(metas))
+        self.by_name[name] = self._next
+        self._next += 1
+
+    def evict(self, name: str):
+        cid = self.by_name.pop(name, None)
+        if cid is not None:
+            del self.by_id[cid]
+
+
+class Engine:
+    def __init__(self, comms: Collectives, control: ControlChannel, config: Config):
+        self.comms = comms
+        self.control = control
+        self.config = config
+        self.rank = comms.world.rank
+        self.size = comms.world.size
+        self._cond = threading.Condition()
+        self._new: List[Request] = []                 # submitted, not yet announced
+        self._local: Dict[str, Request] = {}           # announced, waiting to be executed
+        self._waiters = 0
+        self._shutdown_requested = False
+        self._stopped = False
+        self._fatal: Optional[BaseException] = None
+        # Replicated on every rank, updated identically from the gathered messages:
+        self._pending: "OrderedDict[str, Dict[int, Tuple]]" = OrderedDict()
+        self._first_seen: Dict[str, float] = {}
+        self._warned: Dict[str, float] = {}
+        self._joined: List[int] = []
+        self._cache = _ResponseCache(config.cache_capacity)
+        self._abort_next: List[str] = []
+        self._last_round_active = False
+        self.shutdown_errors: List[str] = []   # names left unmatched, reported by shutdown()
+        self.stats = {"cycles": 0, "cache_hits": 0, "announced": 0, "fused_buffers": 0}
+        self._thread = threading.Thread(target=self._run, name="horovod_ext-engine", daemon=True)
+        self._thread.start()
+
+    # --- called from user threads -------------------------------------------------------------
+    def submit(self, request: Request) -> Handle:
+        request.handle = Handle(request.name, self)
+        request.meta = request.describe()
+        with self._cond:
+            if self._fatal is not None:
+                raise HorovodInternalError(str(self._fatal)) from self._fatal
+            if self._stopped or self._shutdown_requested:
+                raise HorovodInternalError("horovod_ext has been shut down; call hvd.init() again")
+            if request.name in self._local or any(r.name == request.name for r in self._new):
+                raise ValueError(f"a request named '{request.name}' is already in flight on rank "
+                                 f"{self.rank}; names must be unique until they complete")
+            was_idle = not self._new and not self._local
+            self._new.append(request)
+            if was_idle:
+                self._cond.notify()
+        return request.handle
+
+    def wait_for(self, handle: Handle):
+        with self._cond:
+            self._waiters += 1
+            self._cond.notify()
+        try:
+            handle._event.wait()
+        finally:
+            with self._cond:
+                self._waiters -= 1
+
+    def shutdown(self):
+        with self._cond:
+            self._shutdown_requested = True
+            self._cond.notify()
+        self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- the background thread ----------------------------------------------------------------
+    def _run(self):
+        last_start = 0.0
+        try:
+            while True:
+                new, shutdown = self._wait_for_cycle(last_start)
+                last_start = time.monotonic()
+                if self._cycle(new, shutdown):
+                    break
+        except BaseException as exc:  # noqa: B902 - any failure must reach the waiting callers
+            self._fail_everything(exc)
+        finally:
+            with self._cond:
+                self._stopped = True
+
+    def _wait_for_cycle(self, last_start: float):
+        cycle = self.config.cycle_time_ms / 1000.0
+        with self._cond:
+            while True:
+                if self._shutdown_requested:
+                    break
+                busy = bool(self._new or self._local)
+                now = time.monotonic()
+                deadline = last_start + (cycle if busy else IDLE_CYCLE_S)
+                urgent = self._waiters > 0 and (self._new or self._last_round_active)
+                if now >= deadline or urgent:
+                    break
+                self._cond.wait(deadline - now)
+            new, self._new = self._new, []
+            for r in new:
+                self._local[r.name] = r
+            return new, self._shutdown_requested
+
+    def _cycle(self, new: List[Request], shutdown: bool) -> bool:
+        """One negotiation and execution round; True when the engine should stop."""
+        cache_ids, announce = [], []
+        for r in new:
+            cid = self._cache.lookup(r.name, self.rank, r.meta)
+            if cid is not None:
+                cache_ids.append(cid)
+                self.stats["cache_hits"] += 1
+            else:
+                announce.append((r.name, r.meta))
+                self.stats["announced"] += 1
+        aborts, self._abort_next = self._abort_next, []
+        message = pickle.dumps((cache_ids, announce, shutdown, aborts),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        gathered = [pickle.loads(m) for m in self.control.allgather(message)]
+        self.stats["cycles"] += 1
+
+        any_shutdown = False
+        now = time.monotonic()
+        activity = False
+        # Cache ids first: an announcement below may evict the entry they point to.
+        for rank, (ids, _, flag, _) in enumerate(gathered):
+            any_shutdown |= flag
+            for cid in ids:
+                name, metas = self._cache.by_id[cid]
+                self._note(name, rank, metas[rank], now)
+                activity = True
+        for rank, (_, anns, _, rank_aborts) in enumerate(gathered):
+            for name, meta in anns:
+                activity = True
+                if name == JOIN_NAME:
+                    self._joined.append(rank)
+                    continue
+                self._cache.evict(name)  # a new description replaces a cached one everywhere
+                self._note(name, rank, meta, now)
+            for name in rank_aborts:
+                self._abort(name, f"tensor '{name}' stalled for more than "
+                            f"{self.config.stall_shutdown_s:.0f} s "
+                            f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); "
+                            f"{self._who_submitted(name)}")
+
+        ready = self._collect_ready()
+        activity |= bool(ready)
+        self._last_round_active = activity
+        self._execute(ready)
+        self._complete_join()
+        if any_shutdown:
+            self._fail_unmatched_at_shutdown()
+            return True
+        if self.config.stall_check:
+            self._check_stalls(now)
+        return False
+
+    def _note(self, name: str, rank: int, meta: Tuple, now: float):
+        self._pending.setdefault(name, {})[rank] = meta
+        self._first_seen.setdefault(name, now)
+
+    def _collect_ready(self):
+        needed = set(range(self.size)) - set(self._joined)
+        ready = []
+        for name, metas in self._pending.items():
+            if needed <= metas.keys():
+                error = _mismatch_message(name, metas)
+                if error is None and self._joined and metas[next(iter(metas))][0] != "allreduce":
+                    error = (f"tensor '{name}': {metas[next(iter(metas))][0]} is not possible "
+                             f"while ranks {sorted(self._joined)} have joined (only allreduce is)")
+                ready.append((name, metas, error))
+        for name, _, _ in ready:
+            del self._pending[name]
+            self._first_seen.pop(name, None)
+            self._warned.pop(name, None)
+        return ready
+
+    # --- execution ----------------------------------------------------------------------------
+    def _execute(self, ready):
+        groups: "OrderedDict[Tuple, List]" = OrderedDict()
+        threshold = self.config.fusion_threshold
+        fusion_bytes: Dict[Tuple, int] = {}
+        serial = 0
+        for name, metas, error in ready:
+            request = self._local.pop(name, None)
+            if error is not None:
+                if request is not None:
+                    request.handle._finish(error=HorovodInternalError(error))
+                continue
+            meta = next(iter(metas.values()))
+            if request is None:  # this rank has joined: take part with zeros
+                request = self._zeros_request(name, meta)
+            if request.kind == "allreduce":
+                nbytes = sum(t.numel() * t.element_size() for t in request.tensors)
+                key = (request.op, meta[2], meta[3], request.prescale, request.postscale)
+                if threshold > 0 and key in fusion_bytes and fusion_bytes[key] + nbytes <= threshold:
+                    groups[(key, fusion_bytes[(key, "id")])].append(request)
+                    fusion_bytes[key] += nbytes
+                else:
+                    serial += 1
+                    fusion_bytes[key] = nbytes
+                    fusion_bytes[(key, "id")] = serial
+                    groups[(key, serial)] = [request]
+            else:
+                serial += 1
+                groups[("single", serial)] = [(request, metas)]
+            self._cache.add(name, metas)
+        for (key, _), members in groups.items():
+            if key == "single":
+                request, metas = members[0]
+                self._run_single(request, metas)
+            else:
+                self._run_allreduce(members)
+
+    def _zeros_request(self, name, meta):
+        kind, op, dtype, device, shapes, root, splits, pre, post = meta
+        dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else "cpu"
+        tensors = [torch.zeros(s, dtype=getattr(torch, dtype), device=dev) for s in shapes]
+        r = Request(name, kind, tensors, op=op, root=root, splits=splits, prescale=pre,
+                    postscale=post, handle=Handle(name, self))
+        r.meta = meta
+        return r
+
+    def _run_allreduce(self, members: List[Request]):
+        first = members[0]
+        op = get_op(first.op)
+        tensors = [t for r in members for t in r.tensors]
+        layers, offset = [], 0
+        for t in tensors:
+            layers.append(Layer(offset, t.numel(), tuple(t.shape)))
+            offset += t.numel()
+        if len(tensors) == 1:
+            buffer = tensors[0].detach().reshape(-1).clone()
+        else:
+            buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
+            self.stats["fused_buffers"] += 1
+        try:
+            scale_(buffer, first.prescale)
+            buffer = op.allreduce(buffer, layers, self.comms)
+            scale_(buffer, first.postscale)
+        except CommunicationError:
+            raise
+        except Exception as exc:  # the op itself failed: fail these requests, keep running
+            for r in members:
+                r.handle._finish(error=HorovodInternalError(f"allreduce of '{r.name}' failed: {exc}"))
+            return
+        position = 0
+        for r in members:
+            results = []
+            targets = r.outputs or [None] * len(r.tensors)
+            for t, target in zip(r.tensors, targets):
+                chunk = buffer[position:position + t.numel()].view(t.shape)
+                position += t.numel()
+                if target is not None:
+                    target.copy_(chunk)
+                    results.append(target)
+                else:
+                    results.append(chunk.clone() if len(members) > 1 or len(r.tensors) > 1
+                                   else chunk)
+            r.handle._finish(results)
+
+    def _run_single(self, r: Request, metas: Dict[int, Tuple]):
+        comms, world = self.comms, self.comms.world
+        try:
+            if r.kind == "allgather":
+                counts = [metas[k][4][0][0] if metas[k][4][0] else 1 for k in range(self.size)]
+                result = comms.allgather(r.tensors[0], counts)
+            elif r.kind == "broadcast":
+                t = r.outputs[0] if r.outputs else r.tensors[0].clone()
+                world.broadcast(t, r.root)
+                result = t
+            elif r.kind == "alltoall":
+                recv = [metas[k][6][self.rank] for k in range(self.size)]
+                result = (world.alltoall(r.tensors[0], list(r.splits), recv),
+                          torch.tensor(recv, dtype=torch.int32))
+            elif r.kind == "reducescatter":
+                result = self._reducescatter(r)
+            elif r.kind == "barrier":
+                result = None
+            else:
+                raise ValueError(f"unknown request kind {r.kind}")
+        except CommunicationError:
+            raise
+        except Exception as exc:
+            r.handle._finish(error=HorovodInternalError(f"{r.kind} of '{r.name}' failed: {exc}"))
+            return
+        r.handle._finish([result])
+
+    def _reducescatter(self, r: Request):
+        t = r.tensors[0]
+        rows = split_sizes(t.shape[0], self.size)
+        row = t[0].numel() if t.shape[0] else 0
+        buffer = t.detach().reshape(-1).clone()
+        scale_(buffer, r.prescale)
+        op = get_op(r.op)
+        reduce_op = getattr(op, "reduce_op", None)
+        if reduce_op is None:
+            raise ValueError(f"reducescatter supports Sum, Average, Min, Max and Product, "
+                             f"not {r.op}")
+        out = self.comms.world.reduce_scatter(buffer, [n * row for n in rows], reduce_op)
+        if r.op == "average":
+            average_(out, self.size)
+        scale_(out, r.postscale)
+        return out.view((rows[self.rank],) + tuple(t.shape[1:]))
+
+    def _complete_join(self):
+        if JOIN_NAME in self._local and len(self._joined) == self.size:
+            last = self._joined[-1]
+            self._local.pop(JOIN_NAME).handle._finish([last])
+            self._joined = []
+        elif len(self._joined) == self.size:
+            self._joined = []
+
+    # --- failures -----------------------------------------------------------------------------
+    def _who_submitted(self, name: str) -> str:
+        have = sorted(self._pending.get(name, {}))
+        missing = sorted(set(range(self.size)) - set(have) - set(self._joined))
+        return f"submitted by ranks {have}, not by ranks {missing}"
+
+    def _abort(self, name: str, reason: str):
+        request = self._local.pop(name, None)
+        self._pending.pop(name, None)
+        self._first_seen.pop(name, None)
+        if request is not None:
+            request.handle._finish(error=HorovodInternalError(reason))
+
+    def _fail_unmatched_at_shutdown(self):
+        for name in list(self._pending):
+            reason = (f"horovod_ext was shut down before tensor '{name}' was reduced: "
+                      f"{self._who_submitted(name)}")
+            self.shutdown_errors.append(reason)
+            self._abort(name, reason)
+        with self._cond:
+            leftovers = list(self._local.values()) + self._new
+            self._local, self._new = {}, []
+            self._stopped = True
+        for r in leftovers:
+            r.handle._finish(error=HorovodInternalError(
+                f"horovod_ext was shut down before '{r.name}' could complete"))
+
+    def _fail_everything(self, exc: BaseException):
+        error = HorovodInternalError(f"horovod_ext stopped on rank {self.rank}: {exc}")
+        error.__cause__ = exc
+        log.error("%s", error)
+        with self._cond:
+            self._fatal = error
+            self._stopped = True
+            leftovers = list(self._local.values()) + self._new
+            self._local, self._new = {}, []
+        for r in leftovers:
+            r.handle._finish(error=error)
+
+    def _check_stalls(self, now: float):
+        warn_after = self.config.stall_warning_s
+        abort_after = self.config.stall_shutdown_s
+        for name, since in list(self._first_seen.items()):
+            age = now - since
+            if age > warn_after and now - self._warned.get(name, 0.0) > warn_after:
+                self._warned[name] = now
+                if self.rank == 0:
+                    log.warning("stall: tensor '%s' waited %.0f s, %s", name, age,
+                                self._who_submitted(name))
+            if abort_after > 0 and age > abort_after and self.rank == 0 \
+                    and name not in self._abort_next:
+                self._abort_next.append(name)

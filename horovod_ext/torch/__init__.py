@@ -1,0 +1,97 @@
+"""``import horovod_ext.torch as hvd``: Horovod's PyTorch API on horovod_ext's runtime."""
+import torch as _torch
+
+from .. import runtime as _runtime
+from ..backends.base import CommunicationError
+from ..config import ConfigError
+from ..engine import Handle, HorovodInternalError
+from ..ops import Average, Max, Min, Op, Product, Sum, register_op, registered_ops
+from .compression import Compression
+from .functions import broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import (ProcessSet, allgather, allgather_async, allgather_object, allreduce,
+                      allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
+                      barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
+                      broadcast_object, global_process_set, grouped_allreduce,
+                      grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
+                      join, poll, reducescatter, reducescatter_async, synchronize)
+
+init = _runtime.init
+shutdown = _runtime.shutdown
+is_initialized = _runtime.is_initialized
+
+
+def rank() -> int:
+    return _runtime.topology().rank
+
+
+def size() -> int:
+    return _runtime.topology().size
+
+
+def local_rank() -> int:
+    return _runtime.topology().local_rank
+
+
+def local_size() -> int:
+    return _runtime.topology().local_size
+
+
+def cross_rank() -> int:
+    return _runtime.topology().cross_rank
+
+
+def cross_size() -> int:
+    return _runtime.topology().cross_size
+
+
+def is_homogeneous() -> bool:
+    return _runtime.topology().is_homogeneous
+
+
+def mpi_built() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def gloo_built() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def cuda_built() -> bool:
+    return _torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    return getattr(_torch.version, "hip", None) is not None
+
+
+def mpi_enabled() -> bool:
+    return _runtime.state.transport == "mpi"
+
+
+def gloo_enabled() -> bool:
+    return _runtime.state.transport == "gloo"
+
+
+def mpi_threads_supported() -> bool:
+    if not mpi_enabled():
+        return False
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def start_timeline(file_path, mark_cycles=False):
+    raise NotImplementedError("the Horovod timeline is not implemented in horovod_ext yet")
+
+
+def stop_timeline():
+    pass

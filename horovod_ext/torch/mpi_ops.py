@@ -1,0 +1,299 @@
+"""Horovod's collective API for torch tensors: sync, async and in-place forms.
+
+Each call becomes a named request for the background engine; async forms return a handle for
+``synchronize``/``poll``.  Names default to a per-kind counter, so unnamed calls must be made in
+the same order on every rank (as in Horovod); named calls may come in any order.
+"""
+import itertools
+import pickle
+from typing import List, Optional, Sequence
+
+import torch
+
+from .. import runtime
+from ..engine import JOIN_NAME, Handle, HorovodInternalError, Request
+from ..ops import Average, Op, Sum, get_op
+from .compression import Compression
+
+_SUPPORTED = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+              torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool}
+_counters = {}
+
+
+class ProcessSet:
+    """Horovod's process sets; only the global one (all ranks) exists in this version."""
+
+    def __init__(self, ranks=None):
+        self.ranks = ranks
+        self.process_set_id = 0
+
+    def __repr__(self):
+        return "ProcessSet(global)"
+
+
+global_process_set = ProcessSet()
+
+
+def _check_process_set(process_set):
+    if process_set is not global_process_set:
+        raise NotImplementedError("only hvd.global_process_set is supported in this version")
+
+
+def _name(kind: str, name: Optional[str]) -> str:
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        return name
+    counter = _counters.setdefault(kind, itertools.count())
+    return f"{kind}.noname.{next(counter)}"
+
+
+def _check_tensor(tensor, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _SUPPORTED:
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not supported; supported: "
+                        f"{sorted(str(d).replace('torch.', '') for d in _SUPPORTED)}")
+    if tensor.is_sparse:
+        raise TypeError(f"{what}: sparse tensors are not supported; densify them first")
+    return tensor
+
+
+def _resolve_op(op, average) -> Op:
+    if op is not None and average is not None:
+        raise ValueError("pass either op or the deprecated average argument, not both")
+    if op is None:
+        op = Sum if average is False else Average
+    return get_op(op)
+
+
+def _submit(request: Request, post=None) -> Handle:
+    handle = runtime.engine().submit(request)
+    handle.post = post
+    return handle
+
+
+def _first(results):
+    return results[0]
+
+
+# --- allreduce ------------------------------------------------------------------------------
+def _allreduce_request(tensors, name, op, average, prescale_factor, postscale_factor,
+                       kind_name, inplace, process_set):
+    _check_process_set(process_set)
+    reduce_op = _resolve_op(op, average)
+    if not tensors:
+        raise ValueError(f"{kind_name} needs at least one tensor")
+    for t in tensors:
+        _check_tensor(t, kind_name)
+        reason = reduce_op.check_dtype(t.dtype)
+        if reason is None and t.dtype == torch.bool and (prescale_factor != 1.0
+                                                          or postscale_factor != 1.0):
+            reason = "bool tensors cannot be scaled"
+        if reason:
+            raise TypeError(f"{kind_name}: {reason}")
+    if len({(t.dtype, t.device) for t in tensors}) > 1:
+        raise ValueError(f"{kind_name}: all tensors of a group need the same dtype and device")
+    return Request(_name(kind_name.rstrip("_").replace("_async", ""), name), "allreduce",
+                   [t.detach() for t in tensors], outputs=list(tensors) if inplace else None,
+                   op=reduce_op.name, prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
+                             "allreduce", False, process_set)
+    return _submit(req, _first)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
+                             "allreduce_", True, process_set)
+    return _submit(req, _first)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """A new tensor holding the reduction of ``tensor`` over all ranks (default: Average)."""
+    wire, ctx = compression.compress(tensor)
+    handle = allreduce_async(wire, average, name, op, prescale_factor, postscale_factor,
+                             process_set)
+    return compression.decompress(synchronize(handle), ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    """In-place allreduce; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
+                             postscale_factor, "grouped_allreduce", False, process_set)
+    return _submit(req, list)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
+                             postscale_factor, "grouped_allreduce_", True, process_set)
+    return _submit(req, list)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=global_process_set) -> List[torch.Tensor]:
+    """Reduce several tensors as one fused request; returns new tensors."""
+    packed = [compression.compress(t) for t in tensors]
+    handle = grouped_allreduce_async([w for w, _ in packed], average, name, op,
+                                     prescale_factor, postscale_factor, process_set)
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(synchronize(handle), packed)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set):
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+# --- allgather, broadcast, alltoall, reducescatter -----------------------------------------------
+def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+    _check_process_set(process_set)
+    _check_tensor(tensor, "allgather")
+    return _submit(Request(_name("allgather", name), "allgather", [tensor.detach()]), _first)
+
+
+def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
+    """Concatenation of every rank's tensor along dim 0 (first dimensions may differ)."""
+    return synchronize(allgather_async(tensor, name, process_set))
+
+
+def _broadcast_request(tensor, root_rank, name, inplace, process_set):
+    _check_process_set(process_set)
+    _check_tensor(tensor, "broadcast")
+    size = runtime.topology().size
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise ValueError(f"broadcast root_rank {root_rank!r} is not a rank in 0..{size - 1}")
+    return Request(_name("broadcast", name), "broadcast", [tensor.detach()],
+                   outputs=[tensor] if inplace else None, root=root_rank)
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    return _submit(_broadcast_request(tensor, root_rank, name, False, process_set), _first)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
+    return _submit(_broadcast_request(tensor, root_rank, name, True, process_set), _first)
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+    _check_process_set(process_set)
+    _check_tensor(tensor, "alltoall")
+    size = runtime.topology().size
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension")
+    if splits is None:
+        if tensor.shape[0] % size:
+            raise ValueError(f"alltoall: first dimension {tensor.shape[0]} is not divisible by "
+                             f"{size} ranks; pass splits")
+        splits = [tensor.shape[0] // size] * size
+    splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != tensor.shape[0]:
+        raise ValueError(f"alltoall splits {splits} must be {size} non-negative numbers summing "
+                         f"to the first dimension {tensor.shape[0]}")
+    return _submit(Request(_name("alltoall", name), "alltoall", [tensor.detach()],
+                           splits=tuple(splits)), _first)
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """(received tensor, received splits): rank i gets rows splits[i] of every rank's tensor."""
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
+
+
+def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
+                        postscale_factor=1.0, process_set=global_process_set) -> Handle:
+    _check_process_set(process_set)
+    _check_tensor(tensor, "reducescatter")
+    reduce_op = get_op(op)
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension")
+    reason = reduce_op.check_dtype(tensor.dtype)
+    if reason:
+        raise TypeError(f"reducescatter: {reason}")
+    return _submit(Request(_name("reducescatter", name), "reducescatter", [tensor.detach()],
+                           op=reduce_op.name, prescale=float(prescale_factor),
+                           postscale=float(postscale_factor)), _first)
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Reduce over ranks and keep this rank's block of dim 0 (earlier ranks get the extra rows)."""
+    wire, ctx = compression.compress(tensor)
+    return compression.decompress(
+        synchronize(reducescatter_async(wire, name, op, prescale_factor, postscale_factor,
+                                        process_set)), ctx)
+
+
+# --- control ----------------------------------------------------------------------------------
+def synchronize(handle: Handle):
+    """Wait for an async call and return its result (raises its error)."""
+    if not isinstance(handle, Handle):
+        raise TypeError(f"synchronize expects a handle from an *_async call, got {handle!r}")
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True once the async call has finished (synchronize will not block)."""
+    return handle.done()
+
+
+def join(device=-1) -> int:
+    """Wait until every rank has joined; until then this rank contributes zeros to the others'
+    allreduces.  Returns the rank that joined last."""
+    return synchronize(_submit(Request(JOIN_NAME, "join", []), _first))
+
+
+def barrier(process_set=global_process_set):
+    _check_process_set(process_set)
+    synchronize(_submit(Request(_name("barrier", None), "barrier", [])))
+
+
+# --- objects ----------------------------------------------------------------------------------
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """``obj`` from ``root_rank``, pickled, on every rank."""
+    name = _name("broadcast_object", name)
+    me = runtime.topology().rank
+    payload = (torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+               if me == root_rank else torch.empty(0, dtype=torch.uint8))
+    length = broadcast(torch.tensor([payload.numel()], dtype=torch.int64), root_rank,
+                       name=f"{name}.len", process_set=process_set)
+    if me != root_rank:
+        payload = torch.empty(int(length[0]), dtype=torch.uint8)
+    data = broadcast(payload, root_rank, name=f"{name}.data", process_set=process_set)
+    return obj if me == root_rank else pickle.loads(data.numpy().tobytes())
+
+
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
+    """Every rank's ``obj``, in rank order."""
+    name = _name("allgather_object", name)
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len",
+                      process_set=process_set)
+    data = allgather(payload, name=f"{name}.data", process_set=process_set).numpy()
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[offset:offset + n].tobytes()))
+        offset += n
+    return out

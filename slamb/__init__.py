@@ -1,0 +1,1 @@
+"""SLAMB and sparse random-k synchronisation.  See issue 7."""

@@ -1,0 +1,41 @@
+"""Entry point of one test rank: ``python -m tests._worker MODULE FUNCTION RESULT_DIR``.
+
+Runs ``MODULE.FUNCTION(*args)`` between hvd.init() and hvd.shutdown() and leaves the pickled
+return value (or the traceback) in RESULT_DIR for the harness to read.
+"""
+import importlib
+import os
+import pickle
+import sys
+import traceback
+
+
+def main():
+    module_name, func_name, result_dir = sys.argv[1:4]
+    from horovod_ext.backends.bootstrap import detect_launch
+    rank = detect_launch().rank
+    hostnames = os.environ.get("HVD_TEST_HOSTNAMES")
+    if hostnames:
+        os.environ["HOROVOD_HOSTNAME"] = hostnames.split(",")[rank]
+    with open(os.path.join(result_dir, "args.pkl"), "rb") as f:
+        args, init = pickle.load(f)
+    try:
+        func = getattr(importlib.import_module(module_name), func_name)
+        if init:
+            import horovod_ext.torch as hvd
+            hvd.init()
+        result = func(*args)
+        if init:
+            hvd.shutdown()
+        with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    except BaseException:
+        with open(os.path.join(result_dir, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Run a test body in N real processes talking over real Gloo or MPI on localhost.
+
+``run_ranks(fn, np, backend)`` starts ``np`` processes (our HOROVOD_* variables for Gloo,
+mpirun for MPI), runs the module-level function ``fn`` on each after hvd.init(), and returns the
+list of per-rank return values.  Any rank failing, or the whole run outliving ``timeout``, raises
+an AssertionError carrying every rank's traceback and output tail.
+"""
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ["gloo", "mpi"]
+
+
+class RanksFailed(AssertionError):
+    def __init__(self, message, errors: Dict[int, str], output: str, results: list):
+        super().__init__(message)
+        self.results = results
+        self.errors = errors
+        self.output = output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun_path() -> str:
+    found = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.path.exists(found):
+        raise RuntimeError("mpirun not found: install the test extras (pip install -e .[mpi,test])")
+    return found
+
+
+def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str]) -> List[str]:
+    cmd = [mpirun_path(), "--oversubscribe", "-np", str(np), "--bind-to", "none",
+           "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    for key in extra_env:
+        cmd += ["-x", key]
+    return cmd + list(argv)
+
+
+def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
+              args: Sequence = (), timeout: float = 90, hostnames: Optional[Sequence[str]] = None,
+              init: bool = True, expect_failure: bool = False):
+    """Per-rank return values of ``fn(*args)``; with expect_failure, the RanksFailed instead."""
+    result_dir = tempfile.mkdtemp(prefix="hvd_test_")
+    with open(os.path.join(result_dir, "args.pkl"), "wb") as f:
+        pickle.dump((tuple(args), init), f)
+    extra = {"HOROVOD_COMM_TIMEOUT_SECONDS": "20", "PYTHONPATH": REPO,
+             "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if hostnames:
+        extra["HVD_TEST_HOSTNAMES"] = ",".join(hostnames)
+    extra.update(env or {})
+    base_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("HOROVOD_", "OMPI_", "PMI", "PMIX"))
+                and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    argv = [sys.executable, "-m", "tests._worker", fn.__module__, fn.__name__, result_dir]
+    logs = []
+    procs = []
+    if backend == "mpi":
+        env_all = dict(base_env, **extra)
+        env_all.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
+        env_all["OMPI_MCA_rmaps_base_oversubscribe"] = "1"
+        log = open(os.path.join(result_dir, "mpirun.log"), "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(mpirun_command(np, extra, argv), env=env_all, cwd=REPO,
+                                      stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    elif backend == "gloo":
+        port = free_port()
+        for rank in range(np):
+            env_r = dict(base_env, **extra)
+            env_r.update(HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(np),
+                         HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
+                         HOROVOD_GLOO_RENDEZVOUS_PORT=str(port))
+            env_r.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+            log = open(os.path.join(result_dir, f"rank{rank}.log"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(argv, env=env_r, cwd=REPO, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    else:
+        raise ValueError(backend)
+
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            timed_out = True
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    output = ""
+    for log in logs:
+        log.seek(0)
+        output += log.read()[-4000:]
+        log.close()
+    results, errors = [], {}
+    for rank in range(np):
+        path = os.path.join(result_dir, f"{rank}.pkl")
+        err = os.path.join(result_dir, f"{rank}.err")
+        if os.path.exists(err):
+            errors[rank] = open(err).read()
+        elif os.path.exists(path):
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+            continue
+        else:
+            errors[rank] = "no result (process killed or exited early)"
+        results.append(None)
+    shutil.rmtree(result_dir, ignore_errors=True)
+    failed = timed_out or errors or any(p.returncode != 0 for p in procs)
+    if failed:
+        message = (f"{fn.__name__} on {np} {backend} ranks "
+                   f"{'timed out after %.0f s' % timeout if timed_out else 'failed'}:\n"
+                   + "\n".join(f"--- rank {r}:\n{e}" for r, e in sorted(errors.items()))
+                   + f"\n--- output tail:\n{output[-3000:]}")
+        failure = RanksFailed(message, errors, output, results)
+        if expect_failure:
+            return failure
+        raise failure
+    if expect_failure:
+        raise AssertionError(f"{fn.__name__} on {np} {backend} ranks was expected to fail but "
+                             f"every rank succeeded")
+    return results

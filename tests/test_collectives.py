@@ -1,0 +1,206 @@
+"""Every collective and dtype against a reference computed here, on 1-4 real ranks, Gloo and MPI."""
+import pytest
+import torch
+
+from tests.harness import BACKENDS, run_ranks
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
+TOL = {torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def sample(rank, shape, dtype, seed):
+    """Rank-specific data; small integers so that sums and products are exact in every dtype."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    low = 0 if dtype == torch.uint8 else -3
+    return torch.randint(low, 4, shape, generator=g).to(dtype)
+
+
+def reference(tensors, op):
+    stack = torch.stack([t.double() for t in tensors])
+    if op == "sum":
+        out = stack.sum(0)
+    elif op == "average":
+        s = stack.sum(0)
+        out = s / len(tensors) if tensors[0].is_floating_point() else torch.trunc(s / len(tensors))
+    elif op == "min":
+        out = stack.min(0).values
+    elif op == "max":
+        out = stack.max(0).values
+    else:
+        out = stack.prod(0)
+    if tensors[0].dtype == torch.bool:
+        return (out != 0) if op in ("sum", "max") else out.bool()
+    return out.to(tensors[0].dtype)
+
+
+def check(actual, expected, what):
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    tol = TOL.get(expected.dtype, dict(rtol=0, atol=0))
+    torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **tol)
+
+
+def body_allreduce():
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    ops = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
+           "product": hvd.Product}
+    seed = 0
+    for dtype in FLOATS + INTS + [torch.bool]:
+        for opname, op in ops.items():
+            if dtype == torch.bool and opname == "average":
+                continue
+            seed += 1
+            data = [sample(k, (5, 3), dtype, seed) for k in range(n)]
+            expected = reference(data, opname)
+            what = f"allreduce {opname} {dtype}"
+            check(hvd.allreduce(data[r], op=op, name=f"ar.{seed}"), expected, what)
+            t = data[r].clone()
+            assert hvd.allreduce_(t, op=op) is t
+            check(t, expected, what + " in place")
+            h = hvd.allreduce_async(data[r], op=op)
+            check(hvd.synchronize(h), expected, what + " async")
+            t = data[r].clone()
+            h = hvd.allreduce_async_(t, op=op, name=f"ari.{seed}")
+            hvd.synchronize(h)
+            assert hvd.poll(h)
+            check(t, expected, what + " async in place")
+    # deprecated average flag, prescale and postscale, scalars and empty tensors
+    data = [sample(k, (7,), torch.float32, 99) for k in range(n)]
+    check(hvd.allreduce(data[r], average=False), reference(data, "sum"), "average=False")
+    check(hvd.allreduce(data[r], op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5 / n),
+          reference(data, "sum") / n, "prescale/postscale")
+    check(hvd.allreduce(torch.tensor(float(r + 1))), torch.tensor((n + 1) / 2), "0-d tensor")
+    check(hvd.allreduce(torch.zeros(0)), torch.zeros(0), "empty")
+    # grouped forms: one request, tensors of different shapes
+    for dtype in (torch.float32, torch.int64):
+        shapes = [(3,), (2, 4), (1,)]
+        data = [[sample(k, s, dtype, 50 + i) for i, s in enumerate(shapes)] for k in range(n)]
+        expected = [reference([data[k][i] for k in range(n)], "sum") for i in range(3)]
+        for got, exp in zip(hvd.grouped_allreduce(data[r], op=hvd.Sum), expected):
+            check(got, exp, f"grouped {dtype}")
+        mine = [t.clone() for t in data[r]]
+        hvd.synchronize(hvd.grouped_allreduce_async_(mine, op=hvd.Sum))
+        for got, exp in zip(mine, expected):
+            check(got, exp, f"grouped async in place {dtype}")
+        got = hvd.synchronize(hvd.grouped_allreduce_async(data[r], op=hvd.Sum))
+        for g, exp in zip(got, expected):
+            check(g, exp, f"grouped async {dtype}")
+        mine = [t.clone() for t in data[r]]
+        hvd.grouped_allreduce_(mine, op=hvd.Sum)
+        for got, exp in zip(mine, expected):
+            check(got, exp, f"grouped in place {dtype}")
+    # compression
+    data = [torch.randn(64, generator=torch.Generator().manual_seed(k)) for k in range(n)]
+    exact = torch.stack(data).mean(0)
+    for comp, tol in ((hvd.Compression.fp16, 2e-3), (hvd.Compression.bf16, 2e-2)):
+        got = hvd.allreduce(data[r], compression=comp)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, exact, rtol=tol, atol=tol)
+    return "ok"
+
+
+def body_other_collectives():
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    for i, dtype in enumerate(FLOATS + INTS + [torch.bool]):
+        # allgather with uneven first dimensions
+        data = [sample(k, (k + 1, 3), dtype, 200 + i) for k in range(n)]
+        check(hvd.allgather(data[r]), torch.cat(data), f"allgather {dtype}")
+        check(hvd.synchronize(hvd.allgather_async(data[r])), torch.cat(data),
+              f"allgather async {dtype}")
+        # broadcast from every root
+        for root in range(n):
+            src = [sample(k, (4, 2), dtype, 300 + i) for k in range(n)]
+            check(hvd.broadcast(src[r], root), src[root], f"broadcast {dtype} root {root}")
+            t = src[r].clone()
+            assert hvd.broadcast_(t, root) is t
+            check(t, src[root], f"broadcast_ {dtype}")
+            t = src[r].clone()
+            hvd.synchronize(hvd.broadcast_async_(t, root))
+            check(t, src[root], f"broadcast_async_ {dtype}")
+            check(hvd.synchronize(hvd.broadcast_async(src[r], root)), src[root],
+                  f"broadcast_async {dtype}")
+        # alltoall, even and with splits (rank k sends j+k rows to rank j)
+        even = [sample(k, (2 * n, 3), dtype, 400 + i) for k in range(n)]
+        out, splits = hvd.alltoall(even[r])
+        check(out, torch.cat([even[k][2 * r:2 * r + 2] for k in range(n)]), f"alltoall {dtype}")
+        assert splits.tolist() == [2] * n
+        send = [[j + k for j in range(n)] for k in range(n)]
+        data = [sample(k, (sum(send[k]), 2), dtype, 500 + i) for k in range(n)]
+        out, splits = hvd.synchronize(hvd.alltoall_async(data[r], splits=send[r]))
+        pieces = []
+        for k in range(n):
+            start = sum(send[k][:r])
+            pieces.append(data[k][start:start + send[k][r]])
+        check(out, torch.cat(pieces), f"alltoall splits {dtype}")
+        assert splits.tolist() == [send[k][r] for k in range(n)]
+    # reducescatter: rows split as evenly as possible, earlier ranks get the extra
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.float16):
+        rows = 2 * n + 1
+        data = [sample(k, (rows, 2), dtype, 600) for k in range(n)]
+        counts = [rows // n + (1 if k < rows % n else 0) for k in range(n)]
+        start = sum(counts[:r])
+        for opname, op in (("sum", hvd.Sum), ("average", hvd.Average), ("max", hvd.Max)):
+            expected = reference(data, opname)[start:start + counts[r]]
+            check(hvd.reducescatter(data[r], op=op), expected, f"reducescatter {opname} {dtype}")
+    # objects, barrier, join
+    assert hvd.broadcast_object({"from": r, "list": [1, 2]}, root_rank=n - 1) == \
+        {"from": n - 1, "list": [1, 2]}
+    assert hvd.allgather_object(("rank", r)) == [("rank", k) for k in range(n)]
+    hvd.barrier()
+    # out-of-order named submission: ranks submit the same names in different orders
+    names = [f"ooo.{i}" for i in range(6)]
+    order = names if r % 2 == 0 else list(reversed(names))
+    handles = {nm: hvd.allreduce_async(torch.full((3,), float(int(nm[-1]) + r)), name=nm,
+                                       op=hvd.Sum) for nm in order}
+    for nm in names:
+        expected = torch.full((3,), float(n * int(nm[-1]) + n * (n - 1) / 2))
+        check(hvd.synchronize(handles[nm]), expected, f"out of order {nm}")
+    # join: rank 0 runs two extra allreduces; the others have joined and contribute zeros
+    if r == 0:
+        for step in range(2):
+            got = hvd.allreduce(torch.ones(4), op=hvd.Sum, name=f"uneven.{step}")
+            check(got, torch.ones(4), "allreduce with joined ranks")
+    last = hvd.join()
+    assert last == 0 or n == 1, last
+    return hvd.engine_stats() if hasattr(hvd, "engine_stats") else "ok"
+
+
+def body_topology():
+    import horovod_ext.torch as hvd
+    return dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
+                local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
+                cross_size=hvd.cross_size(), homogeneous=hvd.is_homogeneous(),
+                mpi=hvd.mpi_enabled(), gloo=hvd.gloo_enabled(), initialized=hvd.is_initialized())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("np", [1, 2, 3, 4])
+def test_allreduce_every_dtype_and_op(backend, np):
+    assert run_ranks(body_allreduce, np, backend) == ["ok"] * np
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("np", [1, 2, 3, 4])
+def test_allgather_broadcast_alltoall_reducescatter_objects(backend, np):
+    assert len(run_ranks(body_other_collectives, np, backend)) == np
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_topology_from_hostnames(backend):
+    out = run_ranks(body_topology, 4, backend, hostnames=["a", "b", "a", "b"])
+    assert [o["local_rank"] for o in out] == [0, 0, 1, 1]
+    assert [o["cross_rank"] for o in out] == [0, 1, 0, 1]
+    assert all(o["local_size"] == 2 and o["cross_size"] == 2 and o["homogeneous"] for o in out)
+    assert all(o["mpi"] == (backend == "mpi") and o["gloo"] == (backend == "gloo") for o in out)
+    out = run_ranks(body_topology, 3, backend, hostnames=["a", "a", "b"])
+    assert [o["local_size"] for o in out] == [2, 2, 1]
+    assert not any(o["homogeneous"] for o in out)
