@@ -53,8 +53,9 @@ def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str]) -> L
 
 def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
               args: Sequence = (), timeout: float = 90, hostnames: Optional[Sequence[str]] = None,
-              init: bool = True, expect_failure: bool = False):
-    """Per-rank return values of ``fn(*args)``; with expect_failure, the RanksFailed instead."""
+              init: bool = True, expect_failure: bool = False, with_output: bool = False):
+    """Per-rank return values of ``fn(*args)`` (with with_output, also the ranks' combined
+    output); with expect_failure, the RanksFailed instead."""
     result_dir = tempfile.mkdtemp(prefix="hvd_test_")
     with open(os.path.join(result_dir, "args.pkl"), "wb") as f:
         pickle.dump((tuple(args), init), f)
@@ -136,4 +137,4 @@ def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] 
     if expect_failure:
         raise AssertionError(f"{fn.__name__} on {np} {backend} ranks was expected to fail but "
                              f"every rank succeeded")
-    return results
+    return (results, output) if with_output else results

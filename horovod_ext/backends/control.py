@@ -107,11 +107,8 @@ class ControlChannel:
         if self.size == 1:
             return [payload]
         if self.rank != 0:
-            try:
-                _send_frame(self._coord, payload)
-                status, body = pickle.loads(_recv_frame(self._coord, "rank 0"))
-            except CommunicationError as exc:
-                raise CommunicationError(f"rank {self.rank}: {exc}") from None
+            _send_frame(self._coord, payload)
+            status, body = pickle.loads(_recv_frame(self._coord, "rank 0"))
             if status != "ok":
                 raise CommunicationError(body)
             return body
@@ -130,7 +127,7 @@ class ControlChannel:
         failed = []
         for peer, sock in self._peers.items():
             try:
-                _send_frame(sock, frame)
+                _send_frame(sock, frame, f"rank {peer}")
             except CommunicationError:
                 failed.append(peer)
         if failed and message[0] == "ok":
@@ -151,11 +148,12 @@ def _tune(sock):
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _send_frame(sock, data: bytes):
+def _send_frame(sock, data: bytes, who: str = "rank 0"):
     try:
         sock.sendall(_HEADER.pack(len(data)) + data)
     except OSError as exc:
-        raise CommunicationError(f"control plane send failed: {exc}") from None
+        raise CommunicationError(f"sending to {who} failed ({exc}): it has died or shut "
+                                 f"down") from None
 
 
 def _recv_frame(sock, who: str) -> bytes:
@@ -171,6 +169,8 @@ def _recv_exact(sock, n: int, who: str) -> bytes:
         except socket.timeout:
             raise CommunicationError(f"{who} did not answer within {sock.gettimeout():.0f} s: it "
                                      f"has stopped or is stuck") from None
+        except (ConnectionResetError, BrokenPipeError):
+            chunk = b""
         except OSError as exc:
             raise CommunicationError(f"connection to {who} failed: {exc}") from None
         if not chunk:

@@ -12,6 +12,9 @@ import torch.distributed as dist
 
 from .base import CommunicationError, Communicator, ReduceOp
 
+# torch 2.13 renamed all_gather_into_tensor; keep working on releases either side of that.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
               ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
 
@@ -73,7 +76,7 @@ class TorchCommunicator(Communicator):
             padded[:t.shape[0]] = t
             t = padded
         out = t.new_empty((rows * self.size,) + tuple(t.shape[1:]))
-        dist.all_gather_into_tensor(out, t, group=group)
+        _all_gather_single(out, t, group=group)
         if any(c != rows for c in counts):
             out = torch.cat([out[i * rows:i * rows + c] for i, c in enumerate(counts)])
         return out.to(orig.device) if orig is not None else out

@@ -1,0 +1,218 @@
+"""Bad input ends in a clear error on every rank within a bounded time, never a hang."""
+import time
+
+import pytest
+import torch
+
+from horovod_ext.config import Config, ConfigError
+from tests.harness import BACKENDS, run_ranks
+
+
+def body_mismatches():
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    messages = {}
+    cases = {
+        "shape": lambda: hvd.allreduce(torch.ones(3 + r), name="bad.shape"),
+        "dtype": lambda: hvd.allreduce(torch.ones(3, dtype=torch.float32 if r else torch.float64),
+                                       name="bad.dtype"),
+        "op": lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum if r else hvd.Max, name="bad.op"),
+        "root": lambda: hvd.broadcast(torch.ones(3), root_rank=r, name="bad.root"),
+        "kind": lambda: (hvd.allreduce(torch.ones(3), name="bad.kind") if r else
+                         hvd.allgather(torch.ones(3), name="bad.kind")),
+    }
+    for key, call in cases.items():
+        try:
+            call()
+            messages[key] = None
+        except hvd.HorovodInternalError as exc:
+            messages[key] = str(exc)
+    # the runtime keeps working after a mismatch
+    assert torch.equal(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), 2.0))
+    return messages
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mismatched_requests_fail_on_every_rank(backend):
+    for messages in run_ranks(body_mismatches, 2, backend):
+        assert "shape" in messages["shape"] and "bad.shape" in messages["shape"]
+        assert "ranks [0]" in messages["shape"] and "ranks [1]" in messages["shape"]
+        assert "dtype" in messages["dtype"] and "float64" in messages["dtype"]
+        assert "op" in messages["op"] and "'max'" in messages["op"]
+        assert "root rank" in messages["root"]
+        assert "kind" in messages["kind"] and "allgather" in messages["kind"]
+
+
+def body_unmatched_at_shutdown():
+    import horovod_ext.torch as hvd
+    handle = None
+    if hvd.rank() == 0:
+        handle = hvd.allreduce_async(torch.ones(2), name="lonely")
+    hvd.barrier()
+    try:
+        hvd.shutdown()
+        shutdown_error = None
+    except hvd.HorovodInternalError as exc:
+        shutdown_error = str(exc)
+    handle_error = None
+    if handle is not None:
+        try:
+            hvd.synchronize(handle)
+        except hvd.HorovodInternalError as exc:
+            handle_error = str(exc)
+    return shutdown_error, handle_error
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_name_submitted_by_some_ranks_fails_at_shutdown(backend):
+    out = run_ranks(body_unmatched_at_shutdown, 3, backend, init=True)
+    for rank, (shutdown_error, handle_error) in enumerate(out):
+        assert shutdown_error and "lonely" in shutdown_error, (rank, shutdown_error)
+        assert "ranks [0]" in shutdown_error and "ranks [1, 2]" in shutdown_error
+    assert "lonely" in out[0][1]
+
+
+def body_dead_peer():
+    import os
+    import horovod_ext.torch as hvd
+    hvd.allreduce(torch.ones(1), name="warmup")
+    if hvd.rank() == 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(1), name="after_death")
+        return None
+    except hvd.HorovodInternalError as exc:
+        return str(exc), time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_dead_peer_becomes_an_error(backend):
+    failure = run_ranks(body_dead_peer, 2, backend, expect_failure=True)
+    message, elapsed = failure.results[0]
+    assert "rank 1" in message and ("closed" in message or "died" in message), message
+    assert elapsed < 15
+
+
+def body_silent_peer():
+    import os
+    import signal
+    import horovod_ext.torch as hvd
+    hvd.allreduce(torch.ones(1), name="warmup")
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(1), name="after_stop")
+        return None
+    except hvd.HorovodInternalError as exc:
+        return str(exc), time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_silent_peer_times_out_with_its_rank_named(backend):
+    failure = run_ranks(body_silent_peer, 2, backend, expect_failure=True, timeout=40,
+                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "4"})
+    message, elapsed = failure.results[0]
+    assert "rank 1" in message and "did not answer within 4 s" in message, message
+    assert elapsed < 10
+
+
+def body_stall():
+    import horovod_ext.torch as hvd
+    if hvd.rank() == 0:
+        handle = hvd.allreduce_async(torch.ones(2), name="slow", op=hvd.Sum)
+        aborted = hvd.allreduce_async(torch.ones(2), name="never", op=hvd.Sum)
+    else:
+        time.sleep(1.6)  # rank 1 is late on purpose: this creates the stall being checked
+        handle = hvd.allreduce_async(torch.ones(2), name="slow", op=hvd.Sum)
+    result = hvd.synchronize(handle).tolist()
+    error = None
+    if hvd.rank() == 0:
+        try:
+            hvd.synchronize(aborted)
+        except hvd.HorovodInternalError as exc:
+            error = str(exc)
+    hvd.barrier()
+    return result, error
+
+
+@pytest.mark.timeout(120)
+def test_stall_warning_names_missing_ranks_and_stall_shutdown_aborts():
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    results, output = run_ranks(body_stall, 2, "gloo", env=env, with_output=True)
+    assert results[0][0] == results[1][0] == [2.0, 2.0]
+    assert "stall: tensor 'slow'" in output and "not by ranks [1]" in output, output
+    assert "'never'" in results[0][1] and "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" in results[0][1]
+
+
+def test_bad_environment_values_are_named():
+    with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD"):
+        Config.from_env({"HOROVOD_FUSION_THRESHOLD": "lots"})
+    with pytest.raises(ConfigError, match="HOROVOD_CYCLE_TIME"):
+        Config.from_env({"HOROVOD_CYCLE_TIME": "-1"})
+    with pytest.raises(ConfigError, match="HOROVOD_CPU_OPERATIONS"):
+        Config.from_env({"HOROVOD_CPU_OPERATIONS": "carrier-pigeon"})
+    with pytest.raises(ConfigError, match="HOROVOD_HIERARCHICAL_ALLREDUCE"):
+        Config.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "maybe"})
+    c = Config.from_env({"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "2.5",
+                         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
+    assert (c.fusion_threshold, c.cycle_time_ms, c.hierarchical_allreduce) == (0, 2.5, True)
+
+
+def body_bad_arguments():
+    import horovod_ext.torch as hvd
+    errors = {}
+    checks = {
+        "unknown_op": lambda: hvd.allreduce(torch.ones(2), op="nope"),
+        "both_op_and_average": lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, average=True),
+        "complex": lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64)),
+        "bool_average": lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)),
+        "root": lambda: hvd.broadcast(torch.ones(2), root_rank=hvd.size()),
+        "splits": lambda: hvd.alltoall(torch.ones(5), splits=[1] * hvd.size()),
+        "not_tensor": lambda: hvd.allreduce([1, 2]),
+        "process_set": lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])),
+    }
+    for key, call in checks.items():
+        try:
+            call()
+            errors[key] = None
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+    h = hvd.allreduce_async(torch.ones(2), name="dup")
+    try:
+        hvd.allreduce_async(torch.ones(2), name="dup")
+        errors["duplicate"] = None
+    except ValueError as exc:
+        errors["duplicate"] = str(exc)
+    hvd.synchronize(h)
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_bad_arguments_are_rejected_before_anything_is_sent():
+    errors = run_ranks(body_bad_arguments, 2, "gloo")[0]
+    assert "unknown reduction op 'nope'" in errors["unknown_op"]
+    assert "not both" in errors["both_op_and_average"]
+    assert "complex64" in errors["complex"]
+    assert "bool" in errors["bool_average"]
+    assert "root_rank 2" in errors["root"]
+    assert "splits" in errors["splits"]
+    assert "torch.Tensor" in errors["not_tensor"]
+    assert errors["process_set"].startswith("NotImplementedError")
+    assert "already in flight" in errors["duplicate"]
+
+
+def body_init_only():
+    return "never"
+
+
+@pytest.mark.timeout(60)
+def test_init_rejects_bad_environment_in_a_real_process():
+    failure = run_ranks(body_init_only, 1, "gloo", env={"HOROVOD_CYCLE_TIME": "fast"},
+                        expect_failure=True)
+    assert "HOROVOD_CYCLE_TIME='fast' is not valid" in failure.errors[0]
