@@ -215,20 +215,22 @@ class Engine:
 
     # --- the background thread ----------------------------------------------------------------
     def _run(self):
-        last_start = 0.0
+        last_end = 0.0
         try:
             while True:
-                new, shutdown = self._wait_for_cycle(last_start)
-                last_start = time.monotonic()
+                new, shutdown = self._wait_for_cycle(last_end)
                 if self._cycle(new, shutdown):
                     break
+                # Counted from the end of a cycle: after a long execution the caller gets a
+                # moment to submit its next request before this rank negotiates again.
+                last_end = time.monotonic()
         except BaseException as exc:  # noqa: B902 - any failure must reach the waiting callers
             self._fail_everything(exc)
         finally:
             with self._cond:
                 self._stopped = True
 
-    def _wait_for_cycle(self, last_start: float):
+    def _wait_for_cycle(self, last_end: float):
         cycle = self.config.cycle_time_ms / 1000.0
         with self._cond:
             while True:
@@ -236,8 +238,10 @@ class Engine:
                     break
                 busy = bool(self._new or self._local)
                 now = time.monotonic()
-                deadline = last_start + (cycle if busy else IDLE_CYCLE_S)
-                urgent = self._waiters > 0 and (self._new or self._last_round_active)
+                deadline = last_end + (cycle if busy else IDLE_CYCLE_S)
+                # A caller is blocked: go now if there is something new to announce, or if the
+                # last cycle moved things along (peers are active and may complete ours).
+                urgent = busy and self._waiters > 0 and (self._new or self._last_round_active)
                 if now >= deadline or urgent:
                     break
                 self._cond.wait(deadline - now)
@@ -373,7 +377,10 @@ class Engine:
         for t in tensors:
             layers.append(Layer(offset, t.numel(), tuple(t.shape)))
             offset += t.numel()
-        if len(tensors) == 1:
+        target = first.outputs[0] if first.outputs and len(tensors) == 1 else None
+        if target is not None and target.is_contiguous():
+            buffer = target.detach().view(-1)  # in place on the caller's tensor: no copies
+        elif len(tensors) == 1:
             buffer = tensors[0].detach().reshape(-1).clone()
         else:
             buffer = torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -396,7 +403,8 @@ class Engine:
                 chunk = buffer[position:position + t.numel()].view(t.shape)
                 position += t.numel()
                 if target is not None:
-                    target.copy_(chunk)
+                    if target.data_ptr() != chunk.data_ptr():
+                        target.copy_(chunk)
                     results.append(target)
                 else:
                     results.append(chunk.clone() if len(members) > 1 or len(r.tensors) > 1

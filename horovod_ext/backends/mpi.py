@@ -3,9 +3,15 @@
 CPU tensors are handed to MPI without copies (numpy views of the tensor memory).  float16 and
 bfloat16 reductions are carried in float32, since MPI has no standard half-precision sum.  CUDA
 tensors go straight to MPI when it is CUDA-aware and are staged through host memory otherwise.
-Every call is issued non-blocking and waited on with a deadline, so a dead or silent peer becomes
-a ``CommunicationError`` instead of a hang.
+Calls are blocking (Open MPI's non-blocking collectives are far slower for large messages) and
+run under a watchdog: a call that outlives the timeout aborts the job with a message naming the
+operation and rank, so nothing hangs.  The engine's negotiation, which runs over its own control
+plane, catches dead and silent peers before a data call is entered in almost every case.
 """
+import contextlib
+import itertools
+import logging
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -18,6 +24,46 @@ from .base import CommunicationError, Communicator, ReduceOp
 def _mpi():
     from mpi4py import MPI
     return MPI
+
+
+class _Watchdog:
+    """One thread watching the deadlines of the MPI calls in flight."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._armed = {}
+        self._ids = itertools.count()
+        self._thread = None
+
+    def arm(self, deadline: float, message: str) -> int:
+        with self._lock:
+            token = next(self._ids)
+            self._armed[token] = (deadline, message)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, daemon=True,
+                                                name="horovod_ext-mpi-watchdog")
+                self._thread.start()
+        return token
+
+    def disarm(self, token: int):
+        with self._lock:
+            self._armed.pop(token, None)
+
+    def _watch(self):
+        while True:
+            time.sleep(0.25)
+            now = time.monotonic()
+            with self._lock:
+                late = [m for d, m in self._armed.values() if now > d]
+            if late:
+                logging.getLogger("horovod_ext").critical("%s", late[0])
+                import sys
+                sys.stderr.write(f"horovod_ext: {late[0]}\n")
+                sys.stderr.flush()
+                _mpi().COMM_WORLD.Abort(1)
+
+
+_WATCHDOG = _Watchdog()
 
 
 def cuda_aware() -> bool:
@@ -66,29 +112,27 @@ class MPICommunicator(Communicator):
             return tensor.view(torch.uint8).numpy()
         return tensor.numpy()
 
-    def _wait(self, requests, what: str):
-        MPI = _mpi()
-        if not isinstance(requests, list):
-            requests = [requests]
-        deadline = time.monotonic() + self._timeout
-        spins, pause = 0, 0.0
-        while not MPI.Request.Testall(requests):
-            spins += 1
-            if spins > 200:  # past the first microseconds, stop burning the core we share
-                pause = min(max(pause * 2, 1e-5), 1e-3)
-                time.sleep(pause)
-                if time.monotonic() > deadline:
-                    raise CommunicationError(
-                        f"MPI {what} on rank {self.rank} of {self.size} did not finish within "
-                        f"{self._timeout:.0f} s: a peer has died or stopped answering")
+    @contextlib.contextmanager
+    def _guard(self, what: str):
+        """Blocking MPI calls (libnbc's non-blocking ones are up to 3x slower for large
+        messages here) under a watchdog: one that outlives the timeout aborts the job with a
+        message, since an MPI call cannot be interrupted."""
+        token = _WATCHDOG.arm(time.monotonic() + self._timeout,
+                              f"MPI {what} on rank {self.rank} of {self.size} did not finish "
+                              f"within {self._timeout:.0f} s: a peer has died or stopped "
+                              f"answering; aborting the job")
+        try:
+            yield
+        finally:
+            _WATCHDOG.disarm(token)
 
     # --- collectives --------------------------------------------------------------------------
     def _allreduce(self, tensor, op):
         t, orig = self._host(tensor)
         widened = t.dtype in (torch.float16, torch.bfloat16)
         work = t.float() if widened else t
-        self._wait(self.comm.Iallreduce(_mpi().IN_PLACE, self._array(work), self._ops[op]),
-                   "allreduce")
+        with self._guard("allreduce"):
+            self.comm.Allreduce(_mpi().IN_PLACE, self._array(work), self._ops[op])
         if widened:
             t.copy_(work)
         if orig is not None:
@@ -100,8 +144,8 @@ class MPICommunicator(Communicator):
         out = t.new_empty((sum(counts),) + tuple(t.shape[1:]))
         elems = [c * row for c in counts]
         displs = np.cumsum([0] + elems[:-1]).tolist()
-        self._wait(self.comm.Iallgatherv(self._array(t), [self._array(out), (elems, displs)]),
-                   "allgather")
+        with self._guard("allgather"):
+            self.comm.Allgatherv(self._array(t), [self._array(out), (elems, displs)])
         return out.to(orig.device) if orig is not None else out
 
     def _alltoall(self, tensor, send_splits, recv_splits):
@@ -112,13 +156,15 @@ class MPICommunicator(Communicator):
         rcounts = [s * row for s in recv_splits]
         sdispls = np.cumsum([0] + scounts[:-1]).tolist()
         rdispls = np.cumsum([0] + rcounts[:-1]).tolist()
-        self._wait(self.comm.Ialltoallv([self._array(t), (scounts, sdispls)],
-                                        [self._array(out), (rcounts, rdispls)]), "alltoall")
+        with self._guard("alltoall"):
+            self.comm.Alltoallv([self._array(t), (scounts, sdispls)],
+                                [self._array(out), (rcounts, rdispls)])
         return out.to(orig.device) if orig is not None else out
 
     def _broadcast(self, tensor, root):
         t, orig = self._host(tensor)
-        self._wait(self.comm.Ibcast(self._array(t), root=root), "broadcast")
+        with self._guard("broadcast"):
+            self.comm.Bcast(self._array(t), root=root)
         if orig is not None:
             orig.copy_(t)
 
@@ -130,8 +176,9 @@ class MPICommunicator(Communicator):
             return super().reduce_scatter(flat, counts, op)
         t, orig = self._host(flat.contiguous())
         out = t.new_empty(counts[self.rank])
-        self._wait(self.comm.Ireduce_scatter(self._array(t), self._array(out), list(counts),
-                                             self._ops[op]), "reduce_scatter")
+        with self._guard("reduce_scatter"):
+            self.comm.Reduce_scatter(self._array(t), self._array(out), list(counts),
+                                     self._ops[op])
         return out.to(orig.device) if orig is not None else out
 
     def sendrecv(self, send, dst, recv, src):
@@ -143,12 +190,14 @@ class MPICommunicator(Communicator):
             staged, orig = self._host(recv)
             reqs.append(self.comm.Irecv(self._array(staged), source=src, tag=17))
         if reqs:
-            self._wait(reqs, "sendrecv")
+            with self._guard("sendrecv"):
+                _mpi().Request.Waitall(reqs)
         if orig is not None:
             orig.copy_(staged)
 
     def barrier(self):
-        self._wait(self.comm.Ibarrier(), "barrier")
+        with self._guard("barrier"):
+            self.comm.Barrier()
 
     def split(self, colour, key=None):
         return MPICommunicator(self.comm.Split(colour, self.rank if key is None else key),

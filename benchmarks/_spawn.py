@@ -1,0 +1,112 @@
+"""Start benchmark ranks: local processes over Gloo, mpirun, or hosts of the network lab.
+
+Benchmarks only use the public API inside the ranks; this module only starts processes the way a
+launcher would (HOROVOD_* variables for Gloo, mpirun for MPI, `ip netns exec` for lab hosts).
+"""
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+LAB = os.path.join(os.path.dirname(REPO), "shared", "lab", "netlab.sh")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _clean_env(extra: Dict[str, str]) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HOROVOD_", "OMPI_", "PMI", "PMIX"))
+           and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _wait_all(procs, timeout):
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        raise RuntimeError(f"benchmark ranks did not finish within {timeout} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise RuntimeError(f"benchmark ranks {bad} failed (exit codes "
+                           f"{[procs[i].returncode for i in bad]})")
+
+
+def run_gloo(argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
+             hosts: Optional[List[str]] = None, timeout: float = 1200):
+    """``np`` local ranks over Gloo; ``hosts`` (one per rank) names lab namespaces to run in."""
+    port = free_port()
+    addr = "127.0.0.1"
+    if hosts:
+        addr = "10.200.0.1"
+    procs = []
+    for rank in range(np):
+        e = _clean_env(dict(env or {}))
+        e.update(HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(np), HOROVOD_CPU_OPERATIONS="gloo",
+                 HOROVOD_GLOO_RENDEZVOUS_ADDR=addr, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port))
+        cmd = [sys.executable] + list(argv)
+        if hosts:
+            e.update(HOROVOD_HOSTNAME=hosts[rank], GLOO_SOCKET_IFNAME="eth0",
+                     HOROVOD_GLOO_IFACE="eth0")
+            cmd = ["ip", "netns", "exec", hosts[rank]] + cmd
+        procs.append(subprocess.Popen(cmd, env=e, cwd=REPO, start_new_session=True))
+    _wait_all(procs, timeout)
+
+
+def mpirun_binary() -> str:
+    found = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable), "mpirun")
+    if not os.path.exists(found):
+        raise RuntimeError("mpirun not found: pip install -e .[mpi]")
+    return found
+
+
+def run_mpi(argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
+            timeout: float = 1200):
+    e = _clean_env(dict(env or {}))
+    e["HOROVOD_CPU_OPERATIONS"] = "mpi"
+    cmd = [mpirun_binary(), "--oversubscribe", "--bind-to", "none", "-np", str(np)]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    for k in ("PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "HOROVOD_CPU_OPERATIONS",
+              *(env or {}).keys()):
+        cmd += ["-x", k]
+    proc = subprocess.Popen(cmd + [sys.executable] + list(argv), env=e, cwd=REPO,
+                            start_new_session=True)
+    _wait_all([proc], timeout)
+
+
+@contextlib.contextmanager
+def lab(hosts: int, rate: str):
+    """An emulated cluster from ../shared/lab, always taken down again (also on Ctrl-C)."""
+    if os.geteuid() != 0:
+        raise RuntimeError("the network lab needs root")
+    if not os.path.exists(LAB):
+        raise RuntimeError(f"network lab not found at {LAB}")
+    subprocess.run([LAB, "down"], check=False, capture_output=True)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        subprocess.run([LAB, "up", str(hosts), rate], check=True, capture_output=True)
+        yield [f"nl-{i}" for i in range(hosts)]
+    finally:
+        subprocess.run([LAB, "down"], check=False, capture_output=True)
+        signal.signal(signal.SIGTERM, previous)

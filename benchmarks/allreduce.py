@@ -1,0 +1,162 @@
+"""Sum-allreduce latency and bandwidth: horovod_ext next to the raw transport, same buffers.
+
+    python benchmarks/allreduce.py                 # np=2, Gloo and MPI, 4 KiB .. 64 MiB
+    python benchmarks/allreduce.py --lab           # also flat vs hierarchical, 2 lab hosts x 2
+    python benchmarks/allreduce.py --quick         # fewer sizes, shorter runs
+
+Prints a table and writes JSON (``--out``).  Timings are medians of per-call times, with raw and
+horovod_ext calls interleaved in rounds so that drift on this shared 2-core machine hits both.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+KIB = 1024
+SIZES = [4 * KIB * 4 ** i for i in range(7)] + [64 * KIB * KIB]   # 4 KiB .. 16 MiB, 64 MiB
+
+
+def _timed(fn, reps):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(args):
+    import torch
+    import horovod_ext.torch as hvd
+
+    hvd.init()
+    if hvd.mpi_enabled():
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
+
+        def raw_call(buf):
+            world.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+    else:
+        import torch.distributed as dist
+
+        def raw_call(buf):
+            dist.all_reduce(buf)
+    # Like for like: the raw calls reduce in place, so does hvd.allreduce_; hvd.allreduce
+    # (a new tensor, one copy more) is timed too.
+    methods = {"hvd": lambda buf: hvd.allreduce_(buf, op=hvd.Sum, name="bench"),
+               "raw": raw_call,
+               "hvd_copy": lambda buf: hvd.allreduce(buf, op=hvd.Sum, name="bench_copy")}
+    if args.only_hvd:
+        methods.pop("raw")
+        methods.pop("hvd_copy")
+    rows = []
+    for size in args.sizes:
+        buf = torch.ones(size // 4)
+        for fn in methods.values():
+            _timed(lambda: fn(buf), 3)  # warm-up: connections, caches, allocator
+        probe = statistics.median(_timed(lambda: methods["hvd"](buf), 3))
+        reps = int(min(400, max(4, args.seconds / max(probe, 1e-6) / args.rounds / len(methods))))
+        reps = hvd.broadcast_object(reps, root_rank=0)  # every rank must make the same calls
+        samples = {m: [] for m in methods}
+        for _ in range(args.rounds):
+            for m, fn in methods.items():
+                samples[m] += _timed(lambda: fn(buf), reps)
+        row = {"size": size, "reps": reps * args.rounds}
+        for m, ts in samples.items():
+            row[f"{m}_us"] = statistics.median(ts) * 1e6
+        rows.append(row)
+    if hvd.rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump({"size": hvd.size(), "mpi": hvd.mpi_enabled(), "rows": rows}, f)
+    hvd.shutdown()
+
+
+def human(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} TiB"
+
+
+def launch(kind, np, sizes, seconds, rounds, env=None, hosts=None, only_hvd=False):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _spawn
+    import tempfile
+    fd, result = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    argv = [os.path.abspath(__file__), "--worker", "--result", result, "--seconds", str(seconds),
+            "--rounds", str(rounds), "--sizes", ",".join(map(str, sizes))]
+    if only_hvd:
+        argv.append("--only-hvd")
+    if kind == "mpi":
+        _spawn.run_mpi(argv, np, env)
+    else:
+        _spawn.run_gloo(argv, np, env, hosts=hosts)
+    with open(result) as f:
+        data = json.load(f)
+    os.unlink(result)
+    return data["rows"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--only-hvd", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--backends", default="gloo,mpi")
+    p.add_argument("--seconds", type=float, default=2.0, help="time budget per size and method")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lab", action="store_true",
+                   help="also flat vs hierarchical on 2 emulated hosts x 2 ranks (needs root)")
+    p.add_argument("--lab-rate", default="1gbit")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results", "allreduce.json"))
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.sizes = [4 * KIB, 1024 * KIB, 16 * KIB * KIB]
+        args.seconds, args.rounds = 0.6, 2
+    report = {"np": args.np, "local": {}, "lab": None}
+    print(f"{'transport':<9} {'size':>9} {'raw us':>10} {'hvd_ us':>10} {'overhead':>9} "
+          f"{'hvd us':>10} {'hvd_ GB/s':>9}", flush=True)
+    for kind in args.backends.split(","):
+        rows = launch(kind, args.np, args.sizes, args.seconds, args.rounds)
+        report["local"][kind] = rows
+        for r in rows:
+            r["overhead_pct"] = 100.0 * (r["hvd_us"] / r["raw_us"] - 1.0)
+            print(f"{kind:<9} {human(r['size']):>9} {r['raw_us']:>10.1f} {r['hvd_us']:>10.1f} "
+                  f"{r['overhead_pct']:>8.1f}% {r['hvd_copy_us']:>10.1f} "
+                  f"{r['size'] / r['hvd_us'] / 1e3:>9.3f}", flush=True)
+    if args.lab:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _spawn
+        sizes = [s for s in args.sizes if s >= 1024 * KIB] or args.sizes
+        hosts = ["nl-0", "nl-0", "nl-1", "nl-1"]
+        report["lab"] = {"rate": args.lab_rate, "hosts": hosts, "rows": []}
+        print(f"\nlab: 2 hosts x 2 ranks at {args.lab_rate}, Gloo, Sum allreduce\n"
+              f"{'size':>9} {'flat ms':>9} {'hier ms':>9} {'speed-up':>9}", flush=True)
+        with _spawn.lab(2, args.lab_rate):
+            flat = launch("gloo", 4, sizes, args.seconds, args.rounds, hosts=hosts,
+                          only_hvd=True)
+            hier = launch("gloo", 4, sizes, args.seconds, args.rounds, hosts=hosts,
+                          env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, only_hvd=True)
+        for f, h in zip(flat, hier):
+            row = {"size": f["size"], "flat_ms": f["hvd_us"] / 1e3, "hier_ms": h["hvd_us"] / 1e3}
+            report["lab"]["rows"].append(row)
+            print(f"{human(f['size']):>9} {row['flat_ms']:>9.2f} {row['hier_ms']:>9.2f} "
+                  f"{row['flat_ms'] / row['hier_ms']:>8.2f}x", flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
