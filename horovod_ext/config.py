@@ -46,6 +46,7 @@ def _choice(*options):
 @dataclass
 class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # bytes; 0 disables fusion
+    fusion_max_tensor_bytes: int = 1024 * 1024  # larger requests are reduced on their own
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -68,6 +69,9 @@ class Config:
         return cls(
             fusion_threshold=_get(env, "HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold, int,
                                   non_negative, "a non-negative number of bytes"),
+            fusion_max_tensor_bytes=_get(env, "HOROVOD_FUSION_MAX_TENSOR_BYTES",
+                                         cls.fusion_max_tensor_bytes, int, non_negative,
+                                         "a non-negative number of bytes"),
             cycle_time_ms=_get(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms, float, non_negative,
                                "a non-negative number of milliseconds"),
             cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,

@@ -104,8 +104,17 @@ class TorchCommunicator(Communicator):
         if flat.dtype == torch.bool:
             return super().reduce_scatter(tensor, counts, op)
         group, t, orig = self._group_for(flat)
-        out = t.new_empty(counts[self.rank])
-        dist.reduce_scatter(out, list(torch.split(t, list(counts))), op=_TORCH_OPS[op], group=group)
+        if group is self._cpu_group:
+            # Gloo's reduce_scatter is slower than its allreduce of the whole buffer (64 MiB at
+            # np=2 here: 86-109 ms vs 55 ms), so reduce everything and keep this rank's block.
+            whole = t.clone()
+            dist.all_reduce(whole, op=_TORCH_OPS[op], group=group)
+            start = sum(counts[:self.rank])
+            out = whole[start:start + counts[self.rank]]
+        else:
+            out = t.new_empty(counts[self.rank])
+            dist.reduce_scatter(out, list(torch.split(t, list(counts))), op=_TORCH_OPS[op],
+                                group=group)
         return out.to(orig.device) if orig is not None else out
 
     @_wrap_errors

@@ -67,8 +67,8 @@ def _resolve_op(op, average) -> Op:
     return get_op(op)
 
 
-def _submit(request: Request, post=None) -> Handle:
-    handle = runtime.engine().submit(request)
+def _submit(request: Request, post=None, wake: bool = True) -> Handle:
+    handle = runtime.engine().submit(request, wake)
     handle.post = post
     return handle
 
@@ -101,17 +101,19 @@ def _allreduce_request(tensors, name, op, average, prescale_factor, postscale_fa
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set) -> Handle:
+                    postscale_factor=1.0, process_set=global_process_set, *,
+        _wake=True) -> Handle:
     req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
                              "allreduce", False, process_set)
-    return _submit(req, _first)
+    return _submit(req, _first, _wake)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=global_process_set) -> Handle:
+                     postscale_factor=1.0, process_set=global_process_set, *,
+        _wake=True) -> Handle:
     req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
                              "allreduce_", True, process_set)
-    return _submit(req, _first)
+    return _submit(req, _first, _wake)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
@@ -119,7 +121,7 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """A new tensor holding the reduction of ``tensor`` over all ranks (default: Average)."""
     wire, ctx = compression.compress(tensor)
     handle = allreduce_async(wire, average, name, op, prescale_factor, postscale_factor,
-                             process_set)
+                             process_set, _wake=False)
     return compression.decompress(synchronize(handle), ctx)
 
 
@@ -127,21 +129,23 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """In-place allreduce; returns ``tensor``."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+                                        postscale_factor, process_set, _wake=False))
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set) -> Handle:
+                            postscale_factor=1.0, process_set=global_process_set, *,
+        _wake=True) -> Handle:
     req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
                              postscale_factor, "grouped_allreduce", False, process_set)
-    return _submit(req, list)
+    return _submit(req, list, _wake)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set) -> Handle:
+                             postscale_factor=1.0, process_set=global_process_set, *,
+        _wake=True) -> Handle:
     req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
                              postscale_factor, "grouped_allreduce_", True, process_set)
-    return _submit(req, list)
+    return _submit(req, list, _wake)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -150,26 +154,29 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
     """Reduce several tensors as one fused request; returns new tensors."""
     packed = [compression.compress(t) for t in tensors]
     handle = grouped_allreduce_async([w for w, _ in packed], average, name, op,
-                                     prescale_factor, postscale_factor, process_set)
+                                     prescale_factor, postscale_factor, process_set,
+                                     _wake=False)
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(synchronize(handle), packed)]
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+                                                postscale_factor, process_set, _wake=False))
 
 
 # --- allgather, broadcast, alltoall, reducescatter -----------------------------------------------
-def allgather_async(tensor, name=None, process_set=global_process_set) -> Handle:
+def allgather_async(tensor, name=None, process_set=global_process_set, *,
+        _wake=True) -> Handle:
     _check_process_set(process_set)
     _check_tensor(tensor, "allgather")
-    return _submit(Request(_name("allgather", name), "allgather", [tensor.detach()]), _first)
+    return _submit(Request(_name("allgather", name), "allgather", [tensor.detach()]), _first,
+                   _wake)
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
     """Concatenation of every rank's tensor along dim 0 (first dimensions may differ)."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    return synchronize(allgather_async(tensor, name, process_set, _wake=False))
 
 
 def _broadcast_request(tensor, root_rank, name, inplace, process_set):
@@ -182,23 +189,28 @@ def _broadcast_request(tensor, root_rank, name, inplace, process_set):
                    outputs=[tensor] if inplace else None, root=root_rank)
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    return _submit(_broadcast_request(tensor, root_rank, name, False, process_set), _first)
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set, *,
+        _wake=True) -> Handle:
+    return _submit(_broadcast_request(tensor, root_rank, name, False, process_set), _first,
+                   _wake)
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> Handle:
-    return _submit(_broadcast_request(tensor, root_rank, name, True, process_set), _first)
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *,
+        _wake=True) -> Handle:
+    return _submit(_broadcast_request(tensor, root_rank, name, True, process_set), _first,
+                   _wake)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set, _wake=False))
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set, _wake=False))
 
 
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> Handle:
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
+        _wake=True) -> Handle:
     _check_process_set(process_set)
     _check_tensor(tensor, "alltoall")
     size = runtime.topology().size
@@ -214,16 +226,17 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         raise ValueError(f"alltoall splits {splits} must be {size} non-negative numbers summing "
                          f"to the first dimension {tensor.shape[0]}")
     return _submit(Request(_name("alltoall", name), "alltoall", [tensor.detach()],
-                           splits=tuple(splits)), _first)
+                           splits=tuple(splits)), _first, _wake)
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     """(received tensor, received splits): rank i gets rows splits[i] of every rank's tensor."""
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    return synchronize(alltoall_async(tensor, splits, name, process_set, _wake=False))
 
 
 def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
-                        postscale_factor=1.0, process_set=global_process_set) -> Handle:
+                        postscale_factor=1.0, process_set=global_process_set, *,
+        _wake=True) -> Handle:
     _check_process_set(process_set)
     _check_tensor(tensor, "reducescatter")
     reduce_op = get_op(op)
@@ -234,7 +247,7 @@ def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
         raise TypeError(f"reducescatter: {reason}")
     return _submit(Request(_name("reducescatter", name), "reducescatter", [tensor.detach()],
                            op=reduce_op.name, prescale=float(prescale_factor),
-                           postscale=float(postscale_factor)), _first)
+                           postscale=float(postscale_factor)), _first, _wake)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -243,7 +256,7 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     wire, ctx = compression.compress(tensor)
     return compression.decompress(
         synchronize(reducescatter_async(wire, name, op, prescale_factor, postscale_factor,
-                                        process_set)), ctx)
+                                        process_set, _wake=False)), ctx)
 
 
 # --- control ----------------------------------------------------------------------------------
@@ -262,12 +275,12 @@ def poll(handle: Handle) -> bool:
 def join(device=-1) -> int:
     """Wait until every rank has joined; until then this rank contributes zeros to the others'
     allreduces.  Returns the rank that joined last."""
-    return synchronize(_submit(Request(JOIN_NAME, "join", []), _first))
+    return synchronize(_submit(Request(JOIN_NAME, "join", []), _first, wake=False))
 
 
 def barrier(process_set=global_process_set):
     _check_process_set(process_set)
-    synchronize(_submit(Request(_name("barrier", None), "barrier", [])))
+    synchronize(_submit(Request(_name("barrier", None), "barrier", []), wake=False))
 
 
 # --- objects ----------------------------------------------------------------------------------
