@@ -4,8 +4,8 @@
     python benchmarks/allreduce.py --lab           # also flat vs hierarchical, 2 lab hosts x 2
     python benchmarks/allreduce.py --quick         # fewer sizes, shorter runs
 
-Prints a table and writes JSON (``--out``).  Timings are medians of per-call times, with raw and
-horovod_ext calls interleaved in rounds so that drift on this shared 2-core machine hits both.
+Prints a table and writes JSON (``--out``).  Timings are medians of per-call times; the methods
+take turns call by call, so that drift on this shared 2-core machine hits all of them alike.
 """
 import argparse
 import json
@@ -72,9 +72,10 @@ def worker(args):
         reps = int(min(400, max(4, args.seconds / max(probe, 1e-6) / args.rounds / len(methods))))
         reps = hvd.broadcast_object(reps, root_rank=0)  # every rank must make the same calls
         samples = {m: [] for m in methods}
-        for _ in range(args.rounds):
+        # Paired samples: one call of each method in turn, so drift hits all of them alike.
+        for _ in range(reps * args.rounds):
             for m, fn in methods.items():
-                samples[m] += _timed(lambda: fn(buf), reps)
+                samples[m] += _timed(lambda: fn(buf), 1)
         row = {"size": size, "reps": reps * args.rounds}
         for m, ts in samples.items():
             row[f"{m}_us"] = statistics.median(ts) * 1e6 / (8 if m == "hvd_x8" else 1)
