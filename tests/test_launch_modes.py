@@ -25,7 +25,7 @@ def _check(out, transport, np):
 @pytest.mark.timeout(120)
 def test_torchrun_starts_gloo_ranks():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    out = subprocess.run([torchrun, "--nproc_per_node=2", EXAMPLE], env=_env(), cwd=REPO,
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", EXAMPLE], env=_env(), cwd=REPO,
                          capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
     _check(out.stdout, "Gloo", 2)
