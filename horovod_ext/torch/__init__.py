@@ -8,6 +8,7 @@ from ..engine import Handle, HorovodInternalError
 from ..ops import Average, Max, Min, Op, Product, Sum, register_op, registered_ops
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
 from .mpi_ops import (ProcessSet, allgather, allgather_async, allgather_object, allreduce,
                       allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
                       barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,

@@ -1,0 +1,239 @@
+"""DistributedOptimizer: gradients reduced during backward, fused by layer, Horovod's semantics.
+
+The returned object is the user's optimizer itself, re-classed to a subclass of its own class, so
+``isinstance`` checks, state and param_groups are untouched.  A post-accumulate-grad hook starts
+each parameter's async reduction as soon as its gradient is ready (after
+``backward_passes_per_step`` local passes), so communication overlaps the rest of backward;
+``step()`` waits for them.  ``synchronize()`` + ``with opt.skip_synchronize():`` let users clip
+or unscale gradients in between, for every op.
+
+Delta mode, for ops that must run after the local optimizer step (Adasum with a stateful
+optimizer, paper section 4.1 and Figure 3): the wrapped optimizer steps locally, the change of
+each parameter is reduced with the op, and the parameter becomes start + reduced change.  An op
+asks for it through ``op.wants_delta(optimizer)``.
+"""
+import contextlib
+from typing import Dict, List, Optional
+
+import torch
+
+from ..ops import Average, get_op
+from .compression import Compression
+from .mpi_ops import (global_process_set, grouped_allreduce_async_, synchronize as _wait,
+                      allreduce_async_)
+
+
+class _DistributedMixin:
+    """Methods added to the user's optimizer class; state lives in ``self._hvd``."""
+
+    def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                   gradient_predivide_factor, groups, sparse_as_dense, process_set):
+        params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+                raise ValueError("named_parameters should be a sequence of (name, parameter) "
+                                 "tuples, usually model.named_parameters()")
+            names = [n for n, _ in named]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError(f"named_parameters has duplicate names: {dups}")
+            by_param = {id(p): n for n, p in named}
+            missing = [i for i, p in enumerate(params) if id(p) not in by_param]
+            if missing:
+                raise ValueError(f"named_parameters does not name {len(missing)} of the "
+                                 f"optimizer's parameters (positions {missing[:10]} in "
+                                 f"param_groups); pass model.named_parameters() of the whole "
+                                 f"model")
+        else:
+            by_param = {id(p): f"param.{i}" for i, p in enumerate(params)}
+        if backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1")
+        if gradient_predivide_factor != 1.0 and get_op(op) is not Average:
+            raise ValueError("gradient_predivide_factor needs op=Average")
+        self._hvd = {
+            "names": {id(p): by_param[id(p)] for p in params},
+            "params": [p for p in params if p.requires_grad],
+            "compression": compression,
+            "bpps": backward_passes_per_step,
+            "op": get_op(op),
+            "predivide": float(gradient_predivide_factor),
+            "process_set": process_set,
+            "sparse_as_dense": sparse_as_dense,
+            "counts": {},        # id(param) -> backward passes since the last reduction
+            "handles": {},       # id(param) or group index -> (handle, params, contexts)
+            "synchronized": False,
+            "skip_sync": False,
+            "hooks": [],
+        }
+        self._hvd["groups"] = self._hvd_groups(groups)
+        self._hvd["delta"] = bool(getattr(self._hvd["op"], "wants_delta",
+                                          lambda opt: False)(self))
+        if not self._hvd["delta"]:
+            for p in self._hvd["params"]:
+                self._hvd["hooks"].append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+
+    def _hvd_groups(self, groups):
+        """param id -> group index, from an int (that many groups) or lists of parameters."""
+        params = self._hvd["params"]
+        if groups is None:
+            return {}
+        if isinstance(groups, int):
+            if groups < 1:
+                raise ValueError("groups must be a positive int or a list of parameter lists")
+            size = -(-len(params) // groups)
+            return {id(p): i // size for i, p in enumerate(params)}
+        mapping = {}
+        for gi, group in enumerate(groups):
+            for p in group:
+                if id(p) in mapping:
+                    raise ValueError("a parameter appears in two groups")
+                mapping[id(p)] = gi
+        return mapping
+
+    # --- reduction ----------------------------------------------------------------------------
+    def _hvd_scales(self):
+        h = self._hvd
+        if h["op"] is Average and h["predivide"] != 1.0:
+            return 1.0 / h["predivide"], h["predivide"]
+        return 1.0, 1.0
+
+    def _hvd_hook(self, p):
+        h = self._hvd
+        if h["synchronized"] and not h["skip_sync"]:
+            # a new backward after synchronize() without step(): reduce again from scratch
+            h["synchronized"] = False
+        key = id(p)
+        h["counts"][key] = h["counts"].get(key, 0) + 1
+        if h["counts"][key] < h["bpps"]:
+            return
+        h["counts"][key] = 0
+        self._hvd_submit(p)
+
+    def _hvd_submit(self, p):
+        h = self._hvd
+        gi = h["groups"].get(id(p))
+        if gi is not None:
+            pending = h.setdefault("group_ready", {}).setdefault(gi, [])
+            pending.append(p)
+            members = [q for q in h["params"] if h["groups"].get(id(q)) == gi]
+            if len(pending) == len(members):
+                order = {id(q): i for i, q in enumerate(members)}
+                pending.sort(key=lambda q: order[id(q)])
+                self._hvd_reduce(f"group.{gi}", pending, group=True)
+                h["group_ready"][gi] = []
+            return
+        self._hvd_reduce(id(p), [p], group=False)
+
+    def _hvd_reduce(self, key, params, group):
+        h = self._hvd
+        if key in h["handles"]:
+            raise RuntimeError(
+                f"gradients of {[h['names'][id(p)] for p in params]} were computed again before "
+                f"step(): call optimizer.synchronize() first, or raise backward_passes_per_step")
+        wires, ctxs = [], []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                if not h["sparse_as_dense"]:
+                    raise ValueError(f"sparse gradient for {h['names'][id(p)]}: pass "
+                                     f"sparse_as_dense=True")
+                p.grad = p.grad.to_dense()
+            wire, ctx = h["compression"].compress(p.grad)
+            wires.append(wire)
+            ctxs.append(ctx)
+        pre, post = self._hvd_scales()
+        name = (f"DistributedOptimizer.{key}" if group else
+                f"DistributedOptimizer.{h['names'][id(params[0])]}")
+        if group:
+            handle = grouped_allreduce_async_(wires, name=name, op=h["op"], prescale_factor=pre,
+                                              postscale_factor=post,
+                                              process_set=h["process_set"])
+        else:
+            handle = allreduce_async_(wires[0], name=name, op=h["op"], prescale_factor=pre,
+                                      postscale_factor=post, process_set=h["process_set"])
+        h["handles"][key] = (handle, params, wires, ctxs)
+
+    def synchronize(self):
+        """Wait for every gradient's reduction; parameters whose gradient never came this step
+        are reduced with zeros, so ranks that skipped a layer never leave the others waiting."""
+        h = self._hvd
+        if h["delta"]:
+            return
+        started = {id(p) for _, params, _, _ in h["handles"].values() for p in params}
+        started |= {id(p) for pending in h.get("group_ready", {}).values() for p in pending}
+        for p in h["params"]:
+            if id(p) not in started:
+                self._hvd_submit(p)
+        for handle, params, wires, ctxs in h["handles"].values():
+            _wait(handle)
+            for p, wire, ctx in zip(params, wires, ctxs):
+                if wire is not p.grad:
+                    p.grad.copy_(h["compression"].decompress(wire, ctx))
+        h["handles"].clear()
+        h["counts"].clear()
+        h["synchronized"] = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block step() does not synchronize: call synchronize() yourself first."""
+        self._hvd["skip_sync"] = True
+        try:
+            yield
+        finally:
+            self._hvd["skip_sync"] = False
+
+    def step(self, closure=None):
+        h = self._hvd
+        if h["delta"]:
+            return self._hvd_delta_step(closure)
+        if not h["skip_sync"]:
+            if h["synchronized"]:
+                pass  # synchronize() was called explicitly before step()
+            else:
+                self.synchronize()
+        result = super().step(closure)
+        h["synchronized"] = False
+        return result
+
+    def _hvd_delta_step(self, closure):
+        h = self._hvd
+        starts = [p.detach().clone() for p in h["params"]]
+        result = super().step(closure)
+        deltas = [p.detach() - s for p, s in zip(h["params"], starts)]
+        pre, post = self._hvd_scales()
+        handle = grouped_allreduce_async_(deltas, name="DistributedOptimizer.delta",
+                                          op=h["op"], prescale_factor=pre, postscale_factor=post,
+                                          process_set=h["process_set"])
+        _wait(handle)
+        with torch.no_grad():
+            for p, s, d in zip(h["params"], starts, deltas):
+                p.copy_(s + d)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._hvd["handles"]:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize()")
+        return super().zero_grad(set_to_none)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         groups=None, sparse_as_dense=False, process_set=global_process_set):
+    """Wrap ``optimizer`` so that gradients are averaged (or reduced with ``op``) across ranks.
+
+    Returns the same optimizer object, now also an instance of a subclass of its class."""
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedMixin, base), {})
+    optimizer.__class__ = cls
+    try:
+        optimizer._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
+                             gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    except Exception:
+        optimizer.__class__ = base
+        raise
+    return optimizer

@@ -1,0 +1,186 @@
+"""DistributedOptimizer against a single-process reference on the concatenated batch."""
+import pytest
+import torch
+
+from tests.harness import BACKENDS, run_ranks
+
+BATCH = 4          # samples per rank per backward pass
+
+
+class Net(torch.nn.Module):
+    """Two layers plus one that only some steps (and ranks) use."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(6, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+        self.rare = torch.nn.Linear(8, 3)
+
+    def forward(self, x, use_rare=False):
+        h = torch.relu(self.fc1(x))
+        out = self.fc2(h)
+        return out + self.rare(h) if use_rare else out
+
+
+def data(step, micro, n):
+    g = torch.Generator().manual_seed(7919 * step + 31 * micro)
+    return torch.randn(n * BATCH, 6, generator=g), torch.randint(0, 3, (n * BATCH,), generator=g)
+
+
+def make(opt_name, seed=0):
+    torch.manual_seed(seed)
+    model = Net().double()
+    if opt_name == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, opt
+
+
+def body_matches_reference(opt_name, bpps, steps, compression, clip, groups):
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    model, opt = make(opt_name)
+    ref_model, ref_opt = make(opt_name)
+    comp = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16,
+            "bf16": hvd.Compression.bf16}[compression]
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=bpps, compression=comp,
+                                   groups=groups)
+    assert isinstance(opt, torch.optim.SGD if opt_name == "sgd" else torch.optim.Adam)
+    lossf = torch.nn.CrossEntropyLoss()
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(bpps):
+            x, y = data(step, micro, n)
+            use_rare = step % 3 == 1 and (micro == 0)
+            # every rank gets its slice; rank 0 alone uses the rare layer on odd steps
+            mine = slice(r * BATCH, (r + 1) * BATCH)
+            lossf(model(x[mine].double(), use_rare and r == 0), y[mine]).backward()
+            # reference: the mean over ranks of each rank's loss, on one process
+            ref = sum(lossf(ref_model(x[k * BATCH:(k + 1) * BATCH].double(),
+                                      use_rare and k == 0), y[k * BATCH:(k + 1) * BATCH])
+                      for k in range(n)) / n
+            ref.backward()
+        # As in Horovod, a parameter no rank used this step is reduced as a zero gradient (so
+        # the optimizer still steps it); the reference does the same.
+        for q in ref_model.parameters():
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        if clip:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        ref_opt.step()
+    tol = {"none": 1e-9, "fp16": 2e-3, "bf16": 2e-2}[compression]
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    # every rank holds exactly the same parameters
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0))
+    assert all(torch.equal(gathered[0], gathered[k]) for k in range(n))
+    return "ok"
+
+
+CASES = [
+    # opt, bpps, steps, compression, clip, groups
+    ("sgd", 1, 4, "none", False, None),
+    ("adam", 1, 4, "none", False, None),
+    ("adam", 4, 3, "none", False, None),
+    ("sgd", 1, 3, "fp16", False, None),
+    ("adam", 1, 3, "bf16", False, None),
+    ("sgd", 1, 3, "none", True, None),
+    ("adam", 2, 3, "none", True, 2),
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("np", [2, 3])
+def test_average_matches_single_process_training(backend, np):
+    # One set of ranks runs every case, to pay the process start-up once.
+    assert run_ranks(body_cases, np, backend) == ["ok"] * np
+
+
+@pytest.mark.timeout(180)
+def test_without_fusion():
+    assert run_ranks(body_cases, 2, "gloo", env={"HOROVOD_FUSION_THRESHOLD": "0"}) == ["ok"] * 2
+
+
+def body_cases():
+    for case in CASES:
+        body_matches_reference(*case)
+    return "ok"
+
+
+def body_bad_names():
+    import horovod_ext.torch as hvd
+    model, opt = make("sgd")
+    errors = []
+    named = list(model.named_parameters())
+    for bad in (named + named[:1], named[1:]):
+        try:
+            hvd.DistributedOptimizer(opt, named_parameters=bad)
+            errors.append(None)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_or_missing_names_are_errors():
+    dup, missing = run_ranks(body_bad_names, 1, "gloo")[0]
+    assert "duplicate names" in dup and "fc1.weight" in dup
+    assert "does not name 1" in missing
+
+
+def body_delta_mode():
+    """An Average op that asks for delta mode: local Adam steps, then the averaged change."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.ops import AverageOp
+
+    class DeltaAverage(AverageOp):
+        def __init__(self):
+            super().__init__()
+            self.name = "delta_average_test"
+
+        def wants_delta(self, optimizer):
+            return True
+
+    op = hvd.register_op(DeltaAverage())
+    r, n = hvd.rank(), hvd.size()
+    model, opt = make("adam")
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), op=op)
+    # reference: n replicas with their own Adam state, averaged after every step
+    replicas = [make("adam") for _ in range(n)]
+    lossf = torch.nn.CrossEntropyLoss()
+    for step in range(3):
+        x, y = data(step, 0, n)
+        opt.zero_grad()
+        mine = slice(r * BATCH, (r + 1) * BATCH)
+        lossf(model(x[mine].double()), y[mine]).backward()
+        opt.step()
+        starts = [p.detach().clone() for p in replicas[0][0].parameters()]
+        deltas = []
+        for k, (m, o) in enumerate(replicas):
+            o.zero_grad()
+            lossf(m(x[k * BATCH:(k + 1) * BATCH].double()), y[k * BATCH:(k + 1) * BATCH]).backward()
+            o.step()
+            deltas.append([p.detach() - s for p, s in zip(m.parameters(), starts)])
+        with torch.no_grad():
+            for m, _ in replicas:
+                for i, p in enumerate(m.parameters()):
+                    p.copy_(starts[i] + sum(d[i] for d in deltas) / n)
+    for p, q in zip(model.parameters(), replicas[0][0].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9)
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+def test_delta_mode_with_average():
+    assert run_ranks(body_delta_mode, 2, "gloo") == ["ok"] * 2
