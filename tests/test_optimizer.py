@@ -184,3 +184,53 @@ def body_delta_mode():
 @pytest.mark.timeout(120)
 def test_delta_mode_with_average():
     assert run_ranks(body_delta_mode, 2, "gloo") == ["ok"] * 2
+
+
+def body_broadcast_state(path):
+    """Ranks start different; rank 0's model and optimizer state (Adam, SGD momentum) reach all,
+    and a checkpoint saved by rank 0 restores on every rank."""
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    lossf = torch.nn.CrossEntropyLoss()
+    out = {}
+    for opt_name in ("adam", "sgd"):
+        model, opt = make(opt_name, seed=r)
+        for group in opt.param_groups:
+            group["lr"] *= 1 + r          # hyper-parameters differ too
+        x, y = data(0, 0, 1)
+        lossf(model(x.double()), y).backward()
+        opt.step()                         # creates state (exp_avg / momentum_buffer)
+        if r == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+        hvd.barrier()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        saved = torch.load(path, weights_only=False)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved["model"][k]), k
+        mine, theirs = opt.state_dict(), saved["opt"]
+        assert mine["param_groups"] == theirs["param_groups"]
+        for pid, st in theirs["state"].items():
+            for k, v in st.items():
+                got = mine["state"][pid][k]
+                assert torch.equal(got, v) if torch.is_tensor(v) else got == v, (pid, k)
+        # and training goes on identically everywhere
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        for step in range(2):
+            opt.zero_grad()
+            x, y = data(10 + step, 0, hvd.size())
+            mine_rows = slice(r * BATCH, (r + 1) * BATCH)
+            lossf(model(x[mine_rows].double()), y[mine_rows]).backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        g = hvd.allgather(flat.unsqueeze(0))
+        out[opt_name] = all(torch.equal(g[0], g[k]) for k in range(hvd.size()))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_broadcast_state_and_checkpoint_restore(backend, tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    assert run_ranks(body_broadcast_state, 3, backend, args=(path,)) == \
+        [{"adam": True, "sgd": True}] * 3
