@@ -198,6 +198,10 @@ class Engine:
             self._new.append(request)
             if was_idle and wake:
                 self._cond.notify()
+        if self.size == 1:  # nothing to negotiate: complete it now, on the caller's thread
+            with self._cycle_lock:
+                if not self._stopped:
+                    self._locked_cycle()
         return request.handle
 
     def wait_for(self, handle: Handle):

@@ -74,6 +74,8 @@ class AverageOp(ElementwiseOp):
 
 def average_(tensor: torch.Tensor, count: int) -> torch.Tensor:
     """Divide in place by ``count``; integers divide exactly, truncating toward zero."""
+    if count == 1:
+        return tensor
     if tensor.is_floating_point():
         return tensor.mul_(1.0 / count)
     return tensor.copy_(torch.div(tensor, count, rounding_mode="trunc"))

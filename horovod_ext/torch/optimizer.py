@@ -65,6 +65,9 @@ class _DistributedMixin:
             "synchronized": False,
             "skip_sync": False,
             "hooks": [],
+            # Gradients wait for the next cycle instead of waking the engine: fewer, larger
+            # fused reductions (set HOROVOD_CYCLE_TIME to trade overlap for fewer calls).
+            "wake": False,
         }
         self._hvd["groups"] = self._hvd_groups(groups)
         self._hvd["delta"] = bool(getattr(self._hvd["op"], "wants_delta",
@@ -149,10 +152,11 @@ class _DistributedMixin:
         if group:
             handle = grouped_allreduce_async_(wires, name=name, op=h["op"], prescale_factor=pre,
                                               postscale_factor=post,
-                                              process_set=h["process_set"])
+                                              process_set=h["process_set"], _wake=h["wake"])
         else:
             handle = allreduce_async_(wires[0], name=name, op=h["op"], prescale_factor=pre,
-                                      postscale_factor=post, process_set=h["process_set"])
+                                      postscale_factor=post, process_set=h["process_set"],
+                                      _wake=h["wake"])
         h["handles"][key] = (handle, params, wires, ctxs)
 
     def synchronize(self):
