@@ -110,3 +110,23 @@ def lab(hosts: int, rate: str):
     finally:
         subprocess.run([LAB, "down"], check=False, capture_output=True)
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
+                hosts: Optional[List[str]] = None):
+    """Run a benchmark worker (``argv`` takes ``--result PATH``) and return the JSON that rank 0
+    wrote there."""
+    import json
+    import tempfile
+    fd, result = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        argv = list(argv) + ["--result", result]
+        if kind == "mpi":
+            run_mpi(argv, np, env)
+        else:
+            run_gloo(argv, np, env, hosts=hosts)
+        with open(result) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result)

@@ -97,21 +97,11 @@ def human(n):
 def launch(kind, np, sizes, seconds, rounds, env=None, hosts=None, only_hvd=False):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _spawn
-    import tempfile
-    fd, result = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    argv = [os.path.abspath(__file__), "--worker", "--result", result, "--seconds", str(seconds),
+    argv = [os.path.abspath(__file__), "--worker", "--seconds", str(seconds),
             "--rounds", str(rounds), "--sizes", ",".join(map(str, sizes))]
     if only_hvd:
         argv.append("--only-hvd")
-    if kind == "mpi":
-        _spawn.run_mpi(argv, np, env)
-    else:
-        _spawn.run_gloo(argv, np, env, hosts=hosts)
-    with open(result) as f:
-        data = json.load(f)
-    os.unlink(result)
-    return data["rows"]
+    return _spawn.run_collect(kind, argv, np, env, hosts)["rows"]
 
 
 def main():

@@ -116,7 +116,6 @@ def main():
     if args.quick:
         args.steps, args.rounds, args.warmup = 4, 2, 2
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import tempfile
     import _spawn
 
     report = {"batch_per_rank": args.batch, "steps": args.steps, "runs": {}}
@@ -124,15 +123,10 @@ def main():
           f"{'hvd/ddp':>8} {'hvd eff':>8} {'ddp eff':>8}", flush=True)
     base = {}
     for np_ in [int(x) for x in args.np.split(",")]:
-        fd, result = tempfile.mkstemp(suffix=".json")
-        os.close(fd)
-        argv = [os.path.abspath(__file__), "--worker", "--result", result, "--models",
-                ",".join(args.models), "--batch", str(args.batch), "--steps", str(args.steps),
+        argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
+                "--batch", str(args.batch), "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-        _spawn.run_gloo(argv, np_)
-        with open(result) as f:
-            data = json.load(f)
-        os.unlink(result)
+        data = _spawn.run_collect("gloo", argv, np_)
         report["runs"][np_] = data
         for kind in args.models:
             row = data[kind]

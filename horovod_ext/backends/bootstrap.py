@@ -9,7 +9,7 @@ import datetime
 import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping
 
 from .base import Communicator
 
@@ -56,7 +56,7 @@ def create_world(transport: str, timeout: float, use_nccl: bool,
     """The communicator over every process of this job, for ``transport`` "mpi" or "gloo"."""
     launch = detect_launch(env)
     if transport == "mpi":
-        from .mpi import MPICommunicator, _mpi
+        from .mpi import MPICommunicator
         if mpi_comm is not None:
             return MPICommunicator(mpi_comm.Dup(), timeout)
         if launch.kind not in ("mpirun", "single"):

@@ -44,8 +44,8 @@ class ControlChannel:
         self._listener = None
 
     @classmethod
-    def connect(cls, comm: Communicator, timeout: float, iface: Optional[str] = None,
-                hostnames: Optional[List[str]] = None) -> "ControlChannel":
+    def connect(cls, comm: Communicator, timeout: float,
+                iface: Optional[str] = None) -> "ControlChannel":
         """Collective over ``comm``: rank 0 listens, the others connect to it."""
         chan = cls(comm.rank, comm.size, timeout)
         if comm.size == 1:
@@ -59,12 +59,12 @@ class ControlChannel:
             where = None
         addresses, port = comm.broadcast_object(where, root=0)
         if comm.rank == 0:
-            chan._accept_all(hostnames)
+            chan._accept_all()
         else:
             chan._connect_to(addresses, port)
         return chan
 
-    def _accept_all(self, hostnames):
+    def _accept_all(self):
         deadline = time.monotonic() + self.timeout
         while len(self._peers) < self.size - 1:
             self._listener.settimeout(max(0.01, deadline - time.monotonic()))

@@ -13,12 +13,11 @@ import itertools
 import logging
 import threading
 import time
-from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from .base import CommunicationError, Communicator, ReduceOp
+from .base import Communicator, ReduceOp
 
 
 def _mpi():

@@ -5,7 +5,7 @@ NCCL are available and wanted, an NCCL group over the same ranks; a call picks t
 tensor's device.  CUDA tensors without NCCL are staged through host memory over Gloo.
 """
 import datetime
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist

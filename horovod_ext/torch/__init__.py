@@ -1,4 +1,5 @@
 """``import horovod_ext.torch as hvd``: Horovod's PyTorch API on horovod_ext's runtime."""
+# flake8: noqa: F401 - this module re-exports the public API
 import torch as _torch
 
 from .. import runtime as _runtime

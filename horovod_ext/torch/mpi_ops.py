@@ -6,12 +6,12 @@ the same order on every rank (as in Horovod); named calls may come in any order.
 """
 import itertools
 import pickle
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
 from .. import runtime
-from ..engine import JOIN_NAME, Handle, HorovodInternalError, Request
+from ..engine import JOIN_NAME, Handle, Request
 from ..ops import Average, Op, Sum, get_op
 from .compression import Compression
 

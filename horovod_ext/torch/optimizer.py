@@ -13,8 +13,6 @@ each parameter is reduced with the op, and the parameter becomes start + reduced
 asks for it through ``op.wants_delta(optimizer)``.
 """
 import contextlib
-from typing import Dict, List, Optional
-
 import torch
 
 from ..ops import Average, get_op
