@@ -130,3 +130,12 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
             return json.load(f)
     finally:
         os.unlink(result)
+
+
+def write_report(path: str, report) -> None:
+    """Write a benchmark's JSON report and say where."""
+    import json
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {path}")

@@ -14,6 +14,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _spawn  # noqa: E402  (benchmarks/ is not a package)
+
 KIB = 1024
 SIZES = [4 * KIB * 4 ** i for i in range(7)] + [64 * KIB * KIB]   # 4 KiB .. 16 MiB, 64 MiB
 
@@ -95,8 +98,6 @@ def human(n):
 
 
 def launch(kind, np, sizes, seconds, rounds, env=None, hosts=None, only_hvd=False):
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _spawn
     argv = [os.path.abspath(__file__), "--worker", "--seconds", str(seconds),
             "--rounds", str(rounds), "--sizes", ",".join(map(str, sizes))]
     if only_hvd:
@@ -142,8 +143,6 @@ def main():
                   f"{r['overhead_pct']:>8.1f}% {r['hvd_copy_us']:>10.1f} "
                   f"{r['hvd_x8_us']:>10.1f} {r['x8_overhead_pct']:>8.1f}%", flush=True)
     if args.lab:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _spawn
         sizes = [s for s in args.sizes if s >= 1024 * KIB] or args.sizes
         hosts = ["nl-0", "nl-0", "nl-1", "nl-1"]
         report["lab"] = {"rate": args.lab_rate, "hosts": hosts, "rows": []}
@@ -159,10 +158,7 @@ def main():
             report["lab"]["rows"].append(row)
             print(f"{human(f['size']):>9} {row['flat_ms']:>9.2f} {row['hier_ms']:>9.2f} "
                   f"{row['flat_ms'] / row['hier_ms']:>8.2f}x", flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {args.out}")
+    _spawn.write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _spawn  # noqa: E402  (benchmarks/ is not a package)
+
 
 def build(kind):
     import torch
@@ -115,8 +118,6 @@ def main():
         return worker(args)
     if args.quick:
         args.steps, args.rounds, args.warmup = 4, 2, 2
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import _spawn
 
     report = {"batch_per_rank": args.batch, "steps": args.steps, "runs": {}}
     print(f"{'model':<12} {'np':>3} {'hvd samples/s':>14} {'ddp samples/s':>14} "
@@ -140,10 +141,7 @@ def main():
             print(f"{kind:<12} {np_:>3} {rate['hvd']:>14.1f} {rate['ddp']:>14.1f} "
                   f"{rate['hvd'] / rate['ddp']:>8.3f} {eff['hvd']:>8.2f} {eff['ddp']:>8.2f}",
                   flush=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {args.out}")
+    _spawn.write_report(args.out, report)
 
 
 if __name__ == "__main__":

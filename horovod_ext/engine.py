@@ -352,9 +352,10 @@ class Engine:
         for name, metas in self._pending.items():
             if needed <= metas.keys():
                 error = _mismatch_message(name, metas)
-                if error is None and self._joined and metas[next(iter(metas))][0] != "allreduce":
-                    error = (f"tensor '{name}': {metas[next(iter(metas))][0]} is not possible "
-                             f"while ranks {sorted(self._joined)} have joined (only allreduce is)")
+                kind = next(iter(metas.values()))[0]
+                if error is None and self._joined and kind != "allreduce":
+                    error = (f"tensor '{name}': {kind} is not possible while ranks "
+                             f"{sorted(self._joined)} have joined (only allreduce is)")
                 ready.append((name, metas, error))
         for name, _, _ in ready:
             del self._pending[name]
@@ -364,10 +365,11 @@ class Engine:
 
     # --- execution ----------------------------------------------------------------------------
     def _execute(self, ready):
-        groups: "OrderedDict[Tuple, List]" = OrderedDict()
+        """Run the ready requests in their agreed order; allreduces with the same op, dtype,
+        device and scaling share a fusion buffer up to the threshold."""
+        batches: List[Tuple[str, Any]] = []          # ("allreduce", [requests]) | ("single", ..)
+        open_batch: Dict[Tuple, Tuple[List[Request], int]] = {}   # key -> (members, bytes)
         threshold = self.config.fusion_threshold
-        fusion_bytes: Dict[Tuple, int] = {}
-        serial = 0
         for name, metas, error in ready:
             request = self._local.pop(name, None)
             if error is not None:
@@ -377,30 +379,27 @@ class Engine:
             meta = next(iter(metas.values()))
             if request is None:  # this rank has joined: take part with zeros
                 request = self._zeros_request(name, meta)
-            if request.kind == "allreduce":
-                nbytes = sum(t.numel() * t.element_size() for t in request.tensors)
-                key = (request.op, meta[2], meta[3], request.prescale, request.postscale)
-                fusable = nbytes < self.config.fusion_max_tensor_bytes
-                if (fusable and threshold > 0 and key in fusion_bytes
-                        and fusion_bytes[key] + nbytes <= threshold):
-                    groups[(key, fusion_bytes[(key, "id")])].append(request)
-                    fusion_bytes[key] += nbytes
-                else:
-                    serial += 1
-                    groups[(key, serial)] = [request]
-                    if fusable:
-                        fusion_bytes[key] = nbytes
-                        fusion_bytes[(key, "id")] = serial
-            else:
-                serial += 1
-                groups[("single", serial)] = [(request, metas)]
             self._cache.add(name, metas)
-        for (key, _), members in groups.items():
-            if key == "single":
-                request, metas = members[0]
-                self._run_single(request, metas)
+            if request.kind != "allreduce":
+                batches.append(("single", (request, metas)))
+                continue
+            nbytes = sum(t.numel() * t.element_size() for t in request.tensors)
+            key = (request.op, meta[2], meta[3], request.prescale, request.postscale)
+            fusable = threshold > 0 and nbytes < self.config.fusion_max_tensor_bytes
+            members, used = open_batch.get(key, (None, 0))
+            if fusable and members is not None and used + nbytes <= threshold:
+                members.append(request)
+                open_batch[key] = (members, used + nbytes)
+                continue
+            members = [request]
+            batches.append(("allreduce", members))
+            if fusable:
+                open_batch[key] = (members, nbytes)
+        for kind, item in batches:
+            if kind == "single":
+                self._run_single(*item)
             else:
-                self._run_allreduce(members)
+                self._run_allreduce(item)
 
     def _zeros_request(self, name, meta):
         kind, op, dtype, device, shapes, root, splits, pre, post = meta
@@ -481,8 +480,9 @@ class Engine:
         t = r.tensors[0]
         rows = split_sizes(t.shape[0], self.size)
         row = t[0].numel() if t.shape[0] else 0
-        buffer = t.detach().reshape(-1).clone()
-        scale_(buffer, r.prescale)
+        buffer = t.detach().reshape(-1)
+        if r.prescale != 1.0:
+            buffer = scale_(buffer.clone(), r.prescale)
         op = get_op(r.op)
         reduce_op = getattr(op, "reduce_op", None)
         if reduce_op is None:

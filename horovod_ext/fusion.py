@@ -34,6 +34,3 @@ class FusionBuffers:
         view = buf[:total]
         torch.cat([t.detach().reshape(-1) for t in tensors], out=view)
         return view
-
-    def clear(self):
-        self._buffers.clear()

@@ -94,7 +94,7 @@ def _allreduce_request(tensors, name, op, average, prescale_factor, postscale_fa
             raise TypeError(f"{kind_name}: {reason}")
     if len({(t.dtype, t.device) for t in tensors}) > 1:
         raise ValueError(f"{kind_name}: all tensors of a group need the same dtype and device")
-    return Request(_name(kind_name.rstrip("_").replace("_async", ""), name), "allreduce",
+    return Request(_name(kind_name, name), "allreduce",
                    [t.detach() for t in tensors], outputs=list(tensors) if inplace else None,
                    op=reduce_op.name, prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
@@ -112,7 +112,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      postscale_factor=1.0, process_set=global_process_set, *,
         _wake=True) -> Handle:
     req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
-                             "allreduce_", True, process_set)
+                             "allreduce", True, process_set)
     return _submit(req, _first, _wake)
 
 
@@ -144,7 +144,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=global_process_set, *,
         _wake=True) -> Handle:
     req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
-                             postscale_factor, "grouped_allreduce_", True, process_set)
+                             postscale_factor, "grouped_allreduce", True, process_set)
     return _submit(req, list, _wake)
 
 

@@ -13,6 +13,7 @@ each parameter is reduced with the op, and the parameter becomes start + reduced
 asks for it through ``op.wants_delta(optimizer)``.
 """
 import contextlib
+from typing import Dict, List
 import torch
 
 from ..ops import Average, get_op
@@ -63,11 +64,15 @@ class _DistributedMixin:
             "synchronized": False,
             "skip_sync": False,
             "hooks": [],
-            # Gradients wait for the next cycle instead of waking the engine: fewer, larger
-            # fused reductions (set HOROVOD_CYCLE_TIME to trade overlap for fewer calls).
-            "wake": False,
         }
         self._hvd["groups"] = self._hvd_groups(groups)
+        members: Dict[int, List[torch.Tensor]] = {}
+        for p in self._hvd["params"]:
+            gi = self._hvd["groups"].get(id(p))
+            if gi is not None:
+                members.setdefault(gi, []).append(p)
+        self._hvd["group_members"] = members      # in parameter order
+        self._hvd["group_ready"] = {gi: [] for gi in members}
         self._hvd["delta"] = bool(getattr(self._hvd["op"], "wants_delta",
                                           lambda opt: False)(self))
         if not self._hvd["delta"]:
@@ -115,14 +120,11 @@ class _DistributedMixin:
         h = self._hvd
         gi = h["groups"].get(id(p))
         if gi is not None:
-            pending = h.setdefault("group_ready", {}).setdefault(gi, [])
+            pending = h["group_ready"][gi]
             pending.append(p)
-            members = [q for q in h["params"] if h["groups"].get(id(q)) == gi]
-            if len(pending) == len(members):
-                order = {id(q): i for i, q in enumerate(members)}
-                pending.sort(key=lambda q: order[id(q)])
-                self._hvd_reduce(f"group.{gi}", pending, group=True)
+            if len(pending) == len(h["group_members"][gi]):
                 h["group_ready"][gi] = []
+                self._hvd_reduce(f"group.{gi}", h["group_members"][gi], group=True)
             return
         self._hvd_reduce(id(p), [p], group=False)
 
@@ -147,14 +149,16 @@ class _DistributedMixin:
         pre, post = self._hvd_scales()
         name = (f"DistributedOptimizer.{key}" if group else
                 f"DistributedOptimizer.{h['names'][id(params[0])]}")
+        # _wake=False: gradients wait for the next cycle instead of waking the engine, which
+        # gives fewer, larger fused reductions; step() starts the last cycle at once.
         if group:
             handle = grouped_allreduce_async_(wires, name=name, op=h["op"], prescale_factor=pre,
                                               postscale_factor=post,
-                                              process_set=h["process_set"], _wake=h["wake"])
+                                              process_set=h["process_set"], _wake=False)
         else:
             handle = allreduce_async_(wires[0], name=name, op=h["op"], prescale_factor=pre,
                                       postscale_factor=post, process_set=h["process_set"],
-                                      _wake=h["wake"])
+                                      _wake=False)
         h["handles"][key] = (handle, params, wires, ctxs)
 
     def synchronize(self):
@@ -164,7 +168,7 @@ class _DistributedMixin:
         if h["delta"]:
             return
         started = {id(p) for _, params, _, _ in h["handles"].values() for p in params}
-        started |= {id(p) for pending in h.get("group_ready", {}).values() for p in pending}
+        started |= {id(p) for pending in h["group_ready"].values() for p in pending}
         for p in h["params"]:
             if id(p) not in started:
                 self._hvd_submit(p)
@@ -190,11 +194,8 @@ class _DistributedMixin:
         h = self._hvd
         if h["delta"]:
             return self._hvd_delta_step(closure)
-        if not h["skip_sync"]:
-            if h["synchronized"]:
-                pass  # synchronize() was called explicitly before step()
-            else:
-                self.synchronize()
+        if not h["skip_sync"] and not h["synchronized"]:  # not done explicitly already
+            self.synchronize()
         result = super().step(closure)
         h["synchronized"] = False
         return result
