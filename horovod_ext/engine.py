@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -83,6 +83,12 @@ class Request:
     postscale: float = 1.0
     handle: Optional[Handle] = None
     meta: Tuple = field(default=())
+    fn: Optional[Callable] = None   # kind "custom": fn(topology) runs on the engine thread
+
+    def tensor_names(self) -> List[str]:
+        if len(self.tensors) == 1:
+            return [self.name]
+        return [f"{self.name}.{i}" for i in range(len(self.tensors))]
 
     def describe(self) -> Tuple:
         t = self.tensors[0] if self.tensors else None
@@ -385,7 +391,8 @@ class Engine:
                 continue
             nbytes = sum(t.numel() * t.element_size() for t in request.tensors)
             key = (request.op, meta[2], meta[3], request.prescale, request.postscale)
-            fusable = threshold > 0 and nbytes < self.config.fusion_max_tensor_bytes
+            fusable = (threshold > 0 and nbytes < self.config.fusion_max_tensor_bytes
+                       and get_op(request.op).fuse_across_requests)
             members, used = open_batch.get(key, (None, 0))
             if fusable and members is not None and used + nbytes <= threshold:
                 members.append(request)
@@ -414,7 +421,7 @@ class Engine:
         first = members[0]
         op = get_op(first.op)
         tensors = [t for r in members for t in r.tensors]
-        layers = layers_of(tensors)
+        layers = layers_of(tensors, [n for r in members for n in r.tensor_names()])
         target = first.outputs[0] if first.outputs and len(tensors) == 1 else None
         alone = len(tensors) == 1
         if target is not None and target.is_contiguous():
@@ -467,6 +474,11 @@ class Engine:
                 result = self._reducescatter(r)
             elif r.kind == "barrier":
                 result = None
+            elif r.kind == "custom":
+                if r.fn is None:
+                    raise ValueError("a rank that has joined cannot take part in a custom "
+                                     "collective (an optimizer's own communication)")
+                result = r.fn(comms.topology)
             else:
                 raise ValueError(f"unknown request kind {r.kind}")
         except CommunicationError:

@@ -3,17 +3,17 @@
 One persistent buffer per (dtype, device), grown on demand and reused every cycle: fresh large
 allocations cost page faults (a 16 MiB clone takes ~3 ms here, as long as the transfer).
 """
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .ops import Layer
 
 
-def layers_of(tensors: Sequence[torch.Tensor]) -> List[Layer]:
+def layers_of(tensors: Sequence[torch.Tensor], names: Optional[Sequence[str]] = None) -> List[Layer]:
     layers, offset = [], 0
-    for t in tensors:
-        layers.append(Layer(offset, t.numel(), tuple(t.shape)))
+    for i, t in enumerate(tensors):
+        layers.append(Layer(offset, t.numel(), tuple(t.shape), names[i] if names else ""))
         offset += t.numel()
     return layers
 

@@ -16,16 +16,22 @@ from .collectives import Collectives
 
 @dataclass(frozen=True)
 class Layer:
-    """One tensor inside a fusion buffer."""
+    """One tensor inside a fusion buffer; ``name`` is stable across steps (the request's name,
+    with ``.i`` appended for the i-th tensor of a grouped request), so stateful ops key their
+    per-tensor state (error feedback) by it."""
     offset: int
     numel: int
     shape: Tuple[int, ...]
+    name: str = ""
 
 
 class Op:
     """Base class of reduction ops.  Subclasses set ``name`` and implement ``allreduce``."""
 
     name: str = ""
+    # False for ops that keep state per fusion buffer (error feedback): the engine then never
+    # fuses separate requests, so each buffer holds the same tensors every step.
+    fuse_across_requests: bool = True
 
     def allreduce(self, buffer: torch.Tensor, layers: Sequence[Layer],
                   comms: Collectives) -> torch.Tensor:

@@ -11,12 +11,12 @@ from typing import Optional
 
 import torch
 
-from .backends import bootstrap
+from .backends import bootstrap, context
 from .backends.control import ControlChannel
 from .backends.topology import Topology
 from .collectives import Collectives
 from .config import Config, ConfigError
-from .engine import Engine, HorovodInternalError
+from .engine import Engine, HorovodInternalError, Request
 
 _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
            "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
@@ -92,6 +92,8 @@ def init(comm=None):
         state.control, state.transport = control, transport
         state.owns_torch_dist = transport == "gloo" and not had_dist
         state.engine = Engine(comms, control, config)
+        context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
+                                                _execute_custom))
         if not state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             state.atexit_registered = True
@@ -111,8 +113,15 @@ def shutdown():
             if dist.is_initialized():
                 dist.destroy_process_group()
         state.topology = state.comms = state.control = None
+        context.set_context(None)
     if engine.shutdown_errors:
         raise HorovodInternalError("; ".join(engine.shutdown_errors))
+
+
+def _execute_custom(name, fn):
+    """Run ``fn(topology)`` as the engine's request ``name`` on every rank; its result."""
+    request = Request(name, "custom", [], fn=fn)
+    return engine().submit(request, wake=False).wait()[0]
 
 
 def _shutdown_at_exit():

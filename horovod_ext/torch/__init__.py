@@ -17,6 +17,11 @@ from .mpi_ops import (ProcessSet, allgather, allgather_async, allgather_object, 
                       grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
                       join, poll, reducescatter, reducescatter_async, synchronize)
 
+# --- ops and optimizers from the papers (each issue adds its own lines here) ----------------
+# issue 5 (Adasum) exports
+# issue 6 (1-bit) exports
+# issue 7 (LAMB, random-k, SLAMB) exports
+
 init = _runtime.init
 shutdown = _runtime.shutdown
 is_initialized = _runtime.is_initialized
