@@ -1,1 +1,10 @@
-"""Adasum (Maleki et al.): adaptive summation by recursive vector-halving.  See issue 5."""
+"""Adasum (Maleki et al., "Scaling Distributed Training with Adaptive Summation").
+
+``operator``: the per-layer Adasum operator with float64 dot products; ``rvh``: recursive
+vector-halving over any number of ranks of a communicator (paper Algorithm 1).  Written against
+``horovod_ext.backends.Communicator`` only; the registry op ``hvd.Adasum`` wraps it.
+"""
+from .operator import LayerMap, adasum_pair_
+from .rvh import adasum_allreduce_, largest_power_of_two
+
+__all__ = ["LayerMap", "adasum_pair_", "adasum_allreduce_", "largest_power_of_two"]

@@ -69,8 +69,7 @@ def hierarchical_allgather(tensor: torch.Tensor, topology: Topology,
     block = topology.local.allgather(tensor, [counts[r] for r in mine])
     node_rows = [sum(counts[r] for r in m) for m in members]
     # The cross communicator is ordered by global rank, which need not be node order.
-    cross_members = sorted(r for r in range(len(node_of))
-                           if members[node_of[r]].index(r) == topology.local_rank)
+    cross_members = topology.cross_members
     node_order = [node_of[r] for r in cross_members]
     everything = topology.cross.allgather(block, [node_rows[n] for n in node_order])
     starts: List[int] = [0] * len(node_of)

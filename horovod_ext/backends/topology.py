@@ -34,6 +34,13 @@ class Topology:
     def num_nodes(self) -> int:
         return max(self.node_of) + 1
 
+    @property
+    def cross_members(self) -> List[int]:
+        """World ranks in this rank's cross communicator, in that communicator's rank order
+        (ascending world rank): the ranks with the same local rank, one per node."""
+        return [r for r in range(len(self.node_of))
+                if self.node_of[:r].count(self.node_of[r]) == self.local_rank]
+
     @classmethod
     def build(cls, world: Communicator, hostname: str) -> "Topology":
         hostnames = world.allgather_object(hostname)

@@ -19,6 +19,7 @@ from .mpi_ops import (ProcessSet, allgather, allgather_async, allgather_object, 
 
 # --- ops and optimizers from the papers (each issue adds its own lines here) ----------------
 # issue 5 (Adasum) exports
+from ..adasum_op import Adasum
 # issue 6 (1-bit) exports
 # issue 7 (LAMB, random-k, SLAMB) exports
 

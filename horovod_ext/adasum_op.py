@@ -1,0 +1,62 @@
+"""``hvd.Adasum``: the registry op that runs Adasum (adasum/) flat or hierarchically.
+
+Flat: AdasumRVH over all ranks, the tree over ranks in rank order.  Hierarchical
+(HOROVOD_HIERARCHICAL_ALLREDUCE=1 with several nodes, paper 4.2.2): average inside each node by a
+reduce-scatter, so each local rank owns a shard; Adasum across nodes on the shards, in node order,
+with the per-layer dot products also summed over the local ranks so that they cover whole layers;
+all-gather inside the node.  The result is the tree Adasum over nodes of each node's average.
+
+With DistributedOptimizer, ``wants_delta`` picks the mode of paper section 4.1: optimizers with
+state (momentum, Adam, LAMB) step locally and the parameter change is combined (Figure 3);
+plain SGD combines the gradients.
+"""
+from typing import Tuple
+
+import torch
+
+from adasum import adasum_allreduce_
+
+from .backends.base import ReduceOp, split_sizes
+from .backends.topology import Topology
+from .ops import Op, average_, register_op
+
+class AdasumOp(Op):
+    name = "adasum"
+
+    def check_dtype(self, dtype):
+        if not dtype.is_floating_point:
+            return f"op adasum needs floating-point tensors, got {str(dtype).replace('torch.', '')}"
+        return None
+
+    def allreduce(self, buffer, layers, comms):
+        bounds = [(layer.offset, layer.numel) for layer in layers]
+        if comms.hierarchical_allreduce and comms.hierarchy_applies:
+            return hierarchical_adasum_(buffer, bounds, comms.topology)
+        return adasum_allreduce_(buffer, bounds, comms.world)
+
+    def wants_delta(self, optimizer) -> bool:
+        """Delta mode unless the optimizer is stateless SGD (no momentum)."""
+        if isinstance(optimizer, torch.optim.SGD):
+            return any(g.get("momentum", 0) for g in optimizer.param_groups)
+        return True
+
+
+def _node_order(topology: Topology) -> Tuple[int, ...]:
+    """Ranks of the cross communicator sorted by node, so the tree runs in node order."""
+    members = topology.cross_members
+    return tuple(sorted(range(len(members)), key=lambda i: topology.node_of[members[i]]))
+
+
+def hierarchical_adasum_(buffer: torch.Tensor, bounds, topology: Topology) -> torch.Tensor:
+    flat = buffer.view(-1)
+    counts = split_sizes(flat.numel(), topology.local_size)
+    offset = sum(counts[:topology.local_rank])
+    shard = average_(topology.local.reduce_scatter(flat, counts, ReduceOp.SUM),
+                     topology.local_size)
+    adasum_allreduce_(shard, bounds, topology.cross, order=_node_order(topology),
+                      extra_reduce=topology.local.allreduce, offset=offset)
+    flat.copy_(topology.local.allgather(shard, counts))
+    return buffer
+
+
+Adasum = register_op(AdasumOp())
