@@ -41,8 +41,8 @@ def ref_tree(per_rank, shapes):
 
 
 def rel_err(actual, expected):
-    a = torch.cat([t.double().reshape(-1) for t in actual])
-    e = torch.cat([t.double().reshape(-1) for t in expected])
+    a = torch.cat([t.detach().double().reshape(-1) for t in actual])
+    e = torch.cat([t.detach().double().reshape(-1) for t in expected])
     return float((a - e).norm() / e.norm().clamp_min(1e-300))
 
 
@@ -139,3 +139,149 @@ def test_adasum_every_process_count(backend):
         assert rel_err([results[r]["one_zero"][1]], [expected_zero]) < 1e-6
         assert torch.equal(results[r]["all_zero"], torch.zeros(10))
         assert "adasum" in results[r]["int_error"] and "int32" in results[r]["int_error"]
+
+
+# --- hierarchical: average inside each node, Adasum across nodes in node order ----------------
+def _hierarchical():
+    import horovod_ext.torch as hvd
+    from tests.test_adasum import layers_for
+    r = hvd.rank()
+    fused = hvd.grouped_allreduce(layers_for(r, seed=70), op=hvd.Adasum, name="h.fused")
+    single = hvd.allreduce(torch.arange(11.0) * (r + 1) - r * 3, op=hvd.Adasum, name="h.one")
+    return fused, single, hvd.local_rank(), hvd.cross_rank()
+
+
+# Node numbers follow the lowest rank of each host; "b a b c a c" puts the cross communicators'
+# ranks out of node order, so a tree taken in communicator order would give another result.
+HIER_CASES = {"2x2": ["a", "a", "b", "b"], "3x2 interleaved": ["a", "b", "b", "c", "a", "c"]}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend,case", [("gloo", "2x2"), ("mpi", "2x2"),
+                                          ("gloo", "3x2 interleaved")])
+def test_hierarchical_adasum(backend, case):
+    hosts = HIER_CASES[case]
+    results = run_ranks(_hierarchical, len(hosts), backend, hostnames=hosts,
+                        env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, timeout=150)
+    nodes = list(dict.fromkeys(hosts))               # node order: by lowest rank
+    members = [[r for r, h in enumerate(hosts) if h == node] for node in nodes]
+    shapes = [torch.Size(s) for s in LAYERS]
+
+    def node_average(per_rank):
+        return [[sum(per_rank[r][i].double() for r in m) / len(m) for i in range(len(per_rank[0]))]
+                for m in members]
+
+    expected = ref_tree(node_average([layers_for(r, 70) for r in range(len(hosts))]), shapes)
+    singles = [[torch.arange(11.0) * (r + 1) - r * 3] for r in range(len(hosts))]
+    expected_single = ref_tree(node_average(singles), [torch.Size([11])])
+    for r, (fused, single, _, _) in enumerate(results):
+        assert rel_err(fused, expected) < 1e-5, (r, rel_err(fused, expected))
+        assert rel_err([single], expected_single) < 1e-5, r
+    # a flat tree over all ranks is a different result: the check above can tell them apart
+    flat = ref_tree([layers_for(r, 70) for r in range(len(hosts))], shapes)
+    assert rel_err(flat, expected) > 1e-3
+
+
+# --- DistributedOptimizer: gradients (SGD) or parameter changes (Adam) combined ---------------
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 + 10 * rank + step)
+    return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
+
+
+def _loss(model, rank, step):
+    x, y = _batch(rank, step)
+    return ((model(x) - y) ** 2).mean()
+
+
+def _optimizer_modes():
+    import horovod_ext.torch as hvd
+    from tests.test_adasum import _loss, _model
+    r = hvd.rank()
+    out = {}
+    # SGD: gradients combined; clipping between synchronize() and step()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, r, step).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        with opt.skip_synchronize():
+            opt.step()
+    out["sgd"] = [p.detach().clone() for p in model.parameters()]
+    # Adam: local steps, the parameter change combined (delta mode); k local steps per Adasum
+    for k in (1, 2):
+        model = _model()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(),
+                                       op=hvd.Adasum, backward_passes_per_step=k)
+        for step in range(2 * k):
+            opt.zero_grad()
+            _loss(model, r, step).backward()
+            opt.step()
+        out[f"adam{k}"] = [p.detach().clone() for p in model.parameters()]
+    # one rank's non-finite gradient reaches every rank at synchronize(), so GradScaler skips
+    # the step everywhere alike instead of leaving the others waiting in the reduction
+    opt.zero_grad()
+    _loss(model, r, 0).backward()
+    if r == 1:
+        next(model.parameters()).grad[0, 0] = float("nan")
+    opt.synchronize()
+    out["finite_after_sync"] = all(torch.isfinite(p.grad).all() for p in model.parameters())
+    return out
+
+
+def _adasum_params(per_rank_deltas, starts):
+    shapes = [s.shape for s in starts]
+    combined = ref_tree(per_rank_deltas, shapes)
+    return [s.double() + c for s, c in zip(starts, combined)]
+
+
+@pytest.mark.timeout(200)
+def test_distributed_optimizer_adasum():
+    n = 3  # not a power of two: rank 2 is folded into rank 0
+    results = run_ranks(_optimizer_modes, n, "gloo", timeout=150)
+    # SGD: p -= lr * clip(Adasum(grads)), simulated in this process
+    model = _model()
+    for step in range(2):
+        grads = []
+        for r in range(n):
+            model.zero_grad()
+            _loss(model, r, step).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        combined = ref_tree(grads, [p.shape for p in model.parameters()])
+        norm = torch.cat([c.reshape(-1) for c in combined]).norm()
+        scale = min(1.0, 0.5 / (float(norm) + 1e-6))
+        with torch.no_grad():
+            for p, c in zip(model.parameters(), combined):
+                p -= 0.1 * (c * scale).to(p.dtype)
+    for r in range(n):
+        assert rel_err(results[r]["sgd"], list(model.parameters())) < 1e-5, r
+    # Adam in delta mode: each rank's own Adam (its state stays local), k steps, then Adasum
+    for k in (1, 2):
+        models = [_model() for _ in range(n)]
+        opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in models]
+        for step in range(2 * k):
+            if step % k == 0:
+                starts = [p.detach().clone() for p in models[0].parameters()]
+            for r in range(n):
+                opts[r].zero_grad()
+                _loss(models[r], r, step).backward()
+                opts[r].step()
+            if step % k == k - 1:
+                deltas = [[p.detach() - s for p, s in zip(models[r].parameters(), starts)]
+                          for r in range(n)]
+                new = _adasum_params(deltas, starts)
+                with torch.no_grad():
+                    for m in models:
+                        for p, v in zip(m.parameters(), new):
+                            p.copy_(v)
+        for r in range(n):
+            assert rel_err(results[r][f"adam{k}"], list(models[0].parameters())) < 1e-5, (k, r)
+    assert [results[r]["finite_after_sync"] for r in range(n)] == [False] * n

@@ -10,7 +10,10 @@ or unscale gradients in between, for every op.
 Delta mode, for ops that must run after the local optimizer step (Adasum with a stateful
 optimizer, paper section 4.1 and Figure 3): the wrapped optimizer steps locally, the change of
 each parameter is reduced with the op, and the parameter becomes start + reduced change.  An op
-asks for it through ``op.wants_delta(optimizer)``.
+asks for it through ``op.wants_delta(optimizer)``.  There ``backward_passes_per_step=k`` means k
+local optimizer steps between reductions (Adasum paper 5.2), and ``synchronize()`` (optional)
+makes non-finite gradients consistent across ranks, so that ``torch.amp.GradScaler`` skips the
+same steps on every rank.
 """
 import contextlib
 from typing import Dict, List
@@ -64,6 +67,8 @@ class _DistributedMixin:
             "synchronized": False,
             "skip_sync": False,
             "hooks": [],
+            "local_steps": 0,    # delta mode: local steps since the last reduction
+            "starts": None,      # delta mode: parameters at the last reduction
         }
         self._hvd["groups"] = self._hvd_groups(groups)
         members: Dict[int, List[torch.Tensor]] = {}
@@ -166,6 +171,7 @@ class _DistributedMixin:
         are reduced with zeros, so ranks that skipped a layer never leave the others waiting."""
         h = self._hvd
         if h["delta"]:
+            self._hvd_agree_on_finite()
             return
         started = {id(p) for _, params, _, _ in h["handles"].values() for p in params}
         started |= {id(p) for pending in h["group_ready"].values() for p in pending}
@@ -200,10 +206,31 @@ class _DistributedMixin:
         h["synchronized"] = False
         return result
 
+    def _hvd_agree_on_finite(self):
+        """If any rank has a non-finite gradient, give every rank one, so that GradScaler
+        (which checks local gradients only) skips this step everywhere alike."""
+        h = self._hvd
+        grads = [p.grad for p in h["params"] if p.grad is not None and p.grad.numel()]
+        bad = torch.zeros(1)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                bad.fill_(1.0)
+                break
+        handle = grouped_allreduce_async_([bad], name="DistributedOptimizer.finite",
+                                          op="max", process_set=h["process_set"])
+        if float(_wait(handle)[0]) and grads:
+            grads[0].view(-1)[0] = float("inf")
+
     def _hvd_delta_step(self, closure):
         h = self._hvd
-        starts = [p.detach().clone() for p in h["params"]]
+        if h["local_steps"] == 0:
+            h["starts"] = [p.detach().clone() for p in h["params"]]
         result = super().step(closure)
+        h["local_steps"] += 1
+        if h["local_steps"] < h["bpps"]:
+            return result
+        h["local_steps"] = 0
+        starts, h["starts"] = h["starts"], None
         deltas = [p.detach() - s for p, s in zip(h["params"], starts)]
         pre, post = self._hvd_scales()
         handle = grouped_allreduce_async_(deltas, name="DistributedOptimizer.delta",
