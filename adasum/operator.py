@@ -11,8 +11,9 @@ which would cost a fresh allocation of twice the data.
 """
 import bisect
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 # Elements converted to float64 at a time: two rows of this fit in L2 comfortably.
@@ -51,6 +52,68 @@ class LayerMap:
         return out
 
 
+# Segments shorter than this are handled together, a run of neighbours at a time, with a few
+# vectorised ops per run instead of a few ops per segment (models have many small tensors).
+SMALL = 4096
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive small segments, [start, end) of the piece, handled as one."""
+    start: int
+    end: int
+    layers: torch.Tensor    # layer index per segment
+    lengths: torch.Tensor   # elements per segment
+
+
+def plan(segments: Sequence[Segment]) -> List[Union[Segment, Run]]:
+    """Big segments alone; neighbouring small ones grouped into runs of at most CHUNK."""
+    items: List[Union[Segment, Run]] = []
+    group: List[Segment] = []
+
+    def close():
+        if len(group) == 1:
+            items.append(group[0])
+        elif group:
+            items.append(Run(group[0].start, group[-1].end,
+                             torch.tensor([g.layer for g in group]),
+                             torch.tensor([g.end - g.start for g in group])))
+        group.clear()
+
+    for seg in segments:
+        small = seg.end - seg.start < SMALL
+        if not small or (group and (group[-1].end != seg.start
+                                    or seg.end - group[0].start > CHUNK)):
+            close()
+        if small:
+            group.append(seg)
+        else:
+            items.append(seg)
+    close()
+    return items
+
+
+_SCRATCH = {}
+
+
+def _scratch(device, rows: int) -> torch.Tensor:
+    """A (rows, CHUNK) float64 work area per device, kept: fresh allocations of this size are
+    fresh pages, which cost more than the arithmetic done in them."""
+    key = (str(device), rows)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(rows, CHUNK, dtype=torch.float64, device=device)
+    return buf
+
+
+def _segment_sums(values: torch.Tensor, run: "Run") -> torch.Tensor:
+    """(rows, segments) sums of consecutive column ranges of ``values`` (rows, m)."""
+    if values.device.type == "cpu":  # numpy's reduceat: one C loop, no temporaries
+        starts = (run.lengths.cumsum(0) - run.lengths).numpy()
+        return torch.from_numpy(np.add.reduceat(values.numpy(), starts, axis=1))
+    return torch.segment_reduce(values, "sum", lengths=run.lengths.to(values.device), axis=1)
+
+
 def partial_dots(a: torch.Tensor, b: torch.Tensor, segments: Sequence[Segment],
                  layer_count: int) -> torch.Tensor:
     """[a.b, a.a, b.b] per layer (float64, shape (layer_count, 3)) over the given segments of
@@ -58,20 +121,30 @@ def partial_dots(a: torch.Tensor, b: torch.Tensor, segments: Sequence[Segment],
     dots = torch.zeros(layer_count, 3, dtype=torch.float64, device=a.device)
     if not segments:
         return dots
-    scratch = torch.empty(2, min(CHUNK, max(s.end - s.start for s in segments)),
-                          dtype=torch.float64, device=a.device)
-    for seg in segments:
-        acc = torch.zeros(2, 2, dtype=torch.float64, device=a.device)
-        for start in range(seg.start, seg.end, CHUNK):
-            end = min(seg.end, start + CHUNK)
-            rows = scratch[:, :end - start]
-            rows[0].copy_(a[start:end])
-            rows[1].copy_(b[start:end])
+    scratch = _scratch(a.device, 5)
+    rows, products = scratch[:2], scratch[2:]
+    acc = torch.zeros(2, 2, dtype=torch.float64, device=a.device)
+    for item in plan(segments):
+        if isinstance(item, Run):
+            m = item.end - item.start
+            x, y = rows[0, :m], rows[1, :m]
+            x.copy_(a[item.start:item.end])
+            y.copy_(b[item.start:item.end])
+            torch.mul(x, y, out=products[0, :m])
+            torch.mul(x, x, out=products[1, :m])
+            torch.mul(y, y, out=products[2, :m])
+            sums = _segment_sums(products[:, :m], item)
+            dots[item.layers.to(a.device)] = sums.t().to(a.device)
+            continue
+        acc.zero_()
+        for start in range(item.start, item.end, CHUNK):
+            end = min(item.end, start + CHUNK)
+            pair = rows[:, :end - start]
+            pair[0].copy_(a[start:end])
+            pair[1].copy_(b[start:end])
             # One pass over both rows gives all three products: [[aa, ab], [ab, bb]].
-            acc.addmm_(rows, rows.t())
-        dots[seg.layer, 0] = acc[0, 1]
-        dots[seg.layer, 1] = acc[0, 0]
-        dots[seg.layer, 2] = acc[1, 1]
+            acc.addmm_(pair, pair.t())
+        dots[item.layer] = torch.stack([acc[0, 1], acc[0, 0], acc[1, 1]])
     return dots
 
 
@@ -89,16 +162,30 @@ def combine_(out: torch.Tensor, other: torch.Tensor, out_is_a: bool,
              coeffs: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
     """out = c_out * out + c_other * other on every segment, in place; ``out_is_a`` says whether
     ``out`` holds the a side (left neighbour's vector) or the b side."""
+    if not out_is_a:
+        coeffs = coeffs.flip(1)
     weights = coeffs.tolist()  # one device sync for all layers
     low_precision = out.dtype in (torch.float16, torch.bfloat16)
-    for seg in segments:
-        ca, cb = weights[seg.layer]
-        c_out, c_other = (ca, cb) if out_is_a else (cb, ca)
-        dst, src = out[seg.start:seg.end], other[seg.start:seg.end]
-        if low_precision:  # one rounding instead of two
-            dst.copy_(dst.float().mul_(c_out).add_(src.float(), alpha=c_other))
-        else:
-            dst.mul_(c_out).add_(src, alpha=c_other)
+    work_dtype = torch.float32 if low_precision else out.dtype
+    for item in plan(segments):
+        if isinstance(item, Run):
+            per_element = torch.repeat_interleave(
+                coeffs[item.layers.to(out.device)].to(work_dtype),
+                item.lengths.to(out.device), dim=0)
+            dst, src = out[item.start:item.end], other[item.start:item.end]
+            mixed = (dst.to(work_dtype) * per_element[:, 0]).addcmul_(src.to(work_dtype),
+                                                                       per_element[:, 1])
+            dst.copy_(mixed)
+            continue
+        c_out, c_other = weights[item.layer]
+        # chunk by chunk, so that the second pass finds the chunk in cache
+        for start in range(item.start, item.end, CHUNK):
+            end = min(item.end, start + CHUNK)
+            dst, src = out[start:end], other[start:end]
+            if low_precision:  # one rounding instead of two
+                dst.copy_(dst.float().mul_(c_out).add_(src.float(), alpha=c_other))
+            else:
+                dst.mul_(c_out).add_(src, alpha=c_other)
     return out
 
 

@@ -14,6 +14,13 @@ from typing import Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+
+# Benchmarks are named after what they measure (adasum.py, onebit.py, slamb.py), which are also
+# package names: with this folder first on sys.path, `import adasum` would find the script.
+# Every benchmark imports this module first, so it takes the folder off the path for them.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 LAB = os.path.join(os.path.dirname(REPO), "shared", "lab", "netlab.sh")
 
 

@@ -51,9 +51,34 @@ def hostname(env: Mapping[str, str] = os.environ) -> str:
     return env.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
+def notify_launcher(stage: str, rank: int, env: Mapping[str, str] = os.environ):
+    """Tell hvdrun (HOROVOD_HVDRUN_NOTIFY=ADDR[,ADDR...]:PORT) that this rank reached ``stage``
+    ("start" or "ready") of start-up, so that it can name ranks that never arrive.  Best
+    effort: start-up never fails because hvdrun cannot be reached."""
+    where = env.get("HOROVOD_HVDRUN_NOTIFY")
+    if not where:
+        return
+    addrs, _, port = where.rpartition(":")
+    message = f"{stage} {rank} {hostname(env)}\n".encode()
+    for addr in addrs.split(","):
+        try:
+            with socket.create_connection((addr, int(port)), timeout=2.0) as s:
+                s.sendall(message)
+            return
+        except (OSError, ValueError):
+            continue
+
+
 def create_world(transport: str, timeout: float, use_nccl: bool,
                  env: Mapping[str, str] = os.environ, mpi_comm=None) -> Communicator:
     """The communicator over every process of this job, for ``transport`` "mpi" or "gloo"."""
+    notify_launcher("start", detect_launch(env).rank, env)
+    world = _create_world(transport, timeout, use_nccl, env, mpi_comm)
+    notify_launcher("ready", world.rank, env)
+    return world
+
+
+def _create_world(transport, timeout, use_nccl, env, mpi_comm) -> Communicator:
     launch = detect_launch(env)
     if transport == "mpi":
         from .mpi import MPICommunicator

@@ -1,0 +1,100 @@
+"""Adasum vs Sum allreduce time, 1 KiB .. 64 MiB, np = 2 and 4, MPI and Gloo, in the same run.
+
+    python benchmarks/adasum.py              # the whole matrix
+    python benchmarks/adasum.py --quick      # 3 sizes, np=2, shorter runs
+
+Both ops reduce the same float32 buffer in place (hvd.allreduce_), taking turns call by call so
+that drift on a shared machine hits both alike; the table gives medians and the ratio
+Adasum / Sum.  JSON goes to ``--out``.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _spawn  # noqa: E402  (benchmarks/ is not a package)
+
+KIB = 1024
+SIZES = [KIB * 4 ** i for i in range(9)]   # 1 KiB .. 64 MiB
+
+
+def worker(args):
+    import torch
+    import horovod_ext.torch as hvd
+
+    hvd.init()
+    ops = {"sum": hvd.Sum, "adasum": hvd.Adasum}
+    rows = []
+    for size in args.sizes:
+        g = torch.Generator().manual_seed(hvd.rank())
+        buf = torch.randn(size // 4, generator=g)
+
+        def call(op):
+            t0 = time.perf_counter()
+            hvd.allreduce_(buf, op=ops[op], name=f"bench.{op}")
+            return time.perf_counter() - t0
+
+        for op in ops:
+            for _ in range(3):   # warm-up: connections, scratch buffers
+                call(op)
+        probe = statistics.median(call("adasum") for _ in range(3))
+        reps = int(min(300, max(5, args.seconds / max(probe, 1e-6) / len(ops))))
+        reps = hvd.broadcast_object(reps, root_rank=0)  # every rank makes the same calls
+        samples = {op: [] for op in ops}
+        for _ in range(reps):
+            for op in ops:
+                samples[op].append(call(op))
+        rows.append({"size": size, "reps": reps,
+                     **{f"{op}_us": statistics.median(ts) * 1e6 for op, ts in samples.items()}})
+    if hvd.rank() == 0:
+        import json
+        with open(args.result, "w") as f:
+            json.dump({"size": hvd.size(), "mpi": hvd.mpi_enabled(), "rows": rows}, f)
+    hvd.shutdown()
+
+
+def human(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} TiB"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    p.add_argument("--nps", default="2,4")
+    p.add_argument("--backends", default="mpi,gloo")
+    p.add_argument("--seconds", type=float, default=1.5, help="time budget per size")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results", "adasum.json"))
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
+    report = {"runs": []}
+    print("medians in microseconds; ratio = Adasum / Sum (hvd.allreduce_, float32, in place)")
+    print(f"{'transport':<9} {'np':>3} {'size':>9} {'sum':>10} {'adasum':>10} {'ratio':>7}",
+          flush=True)
+    for np in [int(x) for x in args.nps.split(",")]:
+        for kind in args.backends.split(","):
+            argv = [os.path.abspath(__file__), "--worker", "--seconds", str(args.seconds),
+                    "--sizes", ",".join(map(str, args.sizes))]
+            rows = _spawn.run_collect(kind, argv, np)["rows"]
+            for r in rows:
+                r["ratio"] = r["adasum_us"] / r["sum_us"]
+                print(f"{kind:<9} {np:>3} {human(r['size']):>9} {r['sum_us']:>10.1f} "
+                      f"{r['adasum_us']:>10.1f} {r['ratio']:>7.2f}", flush=True)
+            report["runs"].append({"transport": kind, "np": np, "rows": rows})
+    _spawn.write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""hvdrun's command line: horovodrun's flags, checked, and the HOROVOD_* variables they set.
+
+A bad value stops hvdrun with a message naming the flag and exit status 2 (argparse's
+convention), before anything starts.
+"""
+import argparse
+import os
+import shlex
+
+from . import hosts as hostlib
+
+DEFAULT_START_TIMEOUT_S = 30.0
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+
+def _number(kind, parse, ok, expect):
+    def convert(raw):
+        try:
+            value = parse(raw)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expect}, got {raw!r}")
+        return value
+    convert.__name__ = kind
+    return convert
+
+
+positive_int = _number("positive_int", int, lambda v: v > 0, "a positive integer")
+non_negative_int = _number("non_negative_int", int, lambda v: v >= 0, "a non-negative integer")
+port_number = _number("port", int, lambda v: 0 < v < 65536, "a port number (1-65535)")
+positive_float = _number("positive_float", float, lambda v: v > 0, "a positive number")
+non_negative_float = _number("non_negative_float", float, lambda v: v >= 0,
+                             "a non-negative number")
+
+
+def _log_level(raw):
+    if raw.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(LOG_LEVELS)} (any case), "
+                                         f"got {raw!r}")
+    return raw.lower()
+
+
+def _default_start_timeout():
+    raw = os.environ.get("HOROVOD_START_TIMEOUT")
+    if not raw:
+        return DEFAULT_START_TIMEOUT_S
+    try:
+        return positive_float(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"hvdrun: error: HOROVOD_START_TIMEOUT: {exc}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hvdrun",
+        description="Start a horovod_ext job: np processes over the given hosts, with Gloo "
+                    "(default; local processes and ssh) or MPI (mpirun). Compatible with "
+                    "horovodrun's flags.",
+        usage="hvdrun [-h] [-np N] [-H HOSTS | --hostfile FILE] [--gloo | --mpi] [options] "
+              "COMMAND [ARGS...]")
+    p.add_argument("-v", "--version", action="store_true", help="print the version and exit")
+    p.add_argument("-cb", "--check-build", action="store_true",
+                   help="print which frameworks, controllers, tensor operations and reduction "
+                        "ops are available, and exit")
+    p.add_argument("-np", "--num-proc", dest="np", type=positive_int,
+                   help="number of processes (default: all slots of -H/--hostfile)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", help="HOST:SLOTS,... (default localhost:NP)")
+    where.add_argument("-hostfile", "--hostfile", help="file with one 'HOST slots=N' per line")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--gloo", action="store_true",
+                      help="start ranks directly (ssh for other hosts); the default")
+    mode.add_argument("--mpi", action="store_true", help="start ranks with mpirun")
+    p.add_argument("--mpi-args", default="", help="extra arguments for mpirun (one string)")
+    p.add_argument("--network-interfaces", "--network-interface", dest="network_interfaces",
+                   help="comma-separated interfaces (e.g. eth0) for the rendezvous and data")
+    p.add_argument("-p", "--ssh-port", type=port_number, help="ssh port on every host")
+    p.add_argument("-i", "--ssh-identity-file", help="ssh private key")
+    p.add_argument("--ssh-command", default=None,
+                   help="remote shell used instead of ssh (called as CMD HOST COMMAND); e.g. "
+                        "the network lab's nsrsh")
+    p.add_argument("--start-timeout", type=positive_float, default=None,
+                   help="seconds for the hosts to answer, and for every rank to reach and "
+                        "finish hvd.init() once the first has (default: $HOROVOD_START_TIMEOUT "
+                        f"or {DEFAULT_START_TIMEOUT_S:.0f})")
+    p.add_argument("--output-filename",
+                   help="also write each rank's output to DIR/rank.N/stdout and stderr")
+    p.add_argument("--verbose", action="store_true", help="print what hvdrun runs")
+    tune = p.add_argument_group("runtime settings (HOROVOD_* variables for every rank)")
+    tune.add_argument("--fusion-threshold-mb", type=non_negative_float,
+                      help="fusion buffer size in MiB (0 disables fusion)")
+    tune.add_argument("--cycle-time-ms", type=non_negative_float,
+                      help="milliseconds between negotiation cycles")
+    tune.add_argument("--cache-capacity", type=non_negative_int,
+                      help="response cache entries")
+    tune.add_argument("--disable-cache", action="store_true", help="no response cache")
+    hier = tune.add_mutually_exclusive_group()
+    hier.add_argument("--hierarchical-allreduce", dest="hierarchical_allreduce",
+                      action="store_const", const=True, default=None)
+    hier.add_argument("--no-hierarchical-allreduce", dest="hierarchical_allreduce",
+                      action="store_const", const=False)
+    hier_ag = tune.add_mutually_exclusive_group()
+    hier_ag.add_argument("--hierarchical-allgather", dest="hierarchical_allgather",
+                         action="store_const", const=True, default=None)
+    hier_ag.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
+                         action="store_const", const=False)
+    tune.add_argument("--timeline-filename",
+                      help="sets HOROVOD_TIMELINE (no timeline is written in this version)")
+    tune.add_argument("--no-stall-check", action="store_true", help="no stall warnings")
+    tune.add_argument("--stall-check-warning-time-seconds", type=positive_float)
+    tune.add_argument("--stall-check-shutdown-time-seconds", type=non_negative_float)
+    tune.add_argument("--log-level", type=_log_level, help=", ".join(LOG_LEVELS))
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """Checked options, with ``hosts`` (list of (name, slots)) and ``slots`` (one per rank)
+    added; exits 2 with a message for bad values."""
+    parser = build_parser()
+    o = parser.parse_args(argv)
+    if o.version or o.check_build:
+        return o
+    if not o.command:
+        parser.error("no command given: e.g. hvdrun -np 2 python train.py")
+    if o.start_timeout is None:
+        o.start_timeout = _default_start_timeout()
+    if o.stall_check_warning_time_seconds is not None and o.no_stall_check:
+        parser.error("--no-stall-check and --stall-check-warning-time-seconds contradict")
+    try:
+        o.mpi_args = shlex.split(o.mpi_args)
+    except ValueError as exc:
+        parser.error(f"--mpi-args: {exc}")
+    try:
+        o.ssh = shlex.split(o.ssh_command) if o.ssh_command else ["ssh"]
+    except ValueError as exc:
+        parser.error(f"--ssh-command: {exc}")
+    if not o.ssh:
+        parser.error("--ssh-command is empty")
+    o.interfaces = [i for i in (o.network_interfaces or "").split(",") if i.strip()]
+    if o.network_interfaces is not None and not o.interfaces:
+        parser.error("--network-interfaces names no interface")
+    try:
+        if o.hosts:
+            o.host_list = hostlib.parse_hosts(o.hosts)
+        elif o.hostfile:
+            o.host_list = hostlib.read_hostfile(o.hostfile)
+        else:
+            if o.np is None:
+                parser.error("-np is required without -H/--hosts or --hostfile")
+            o.host_list = [("localhost", o.np)]
+        if o.np is None:
+            o.np = sum(s for _, s in o.host_list)
+        o.slots = hostlib.assign(o.host_list, o.np)
+    except hostlib.HostError as exc:
+        parser.error(str(exc))
+    return o
+
+
+def horovod_env(o: argparse.Namespace) -> dict:
+    """The HOROVOD_* (and interface) variables the flags ask for, for every rank."""
+    env = {"HOROVOD_START_TIMEOUT": f"{o.start_timeout:g}"}
+    if o.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(o.fusion_threshold_mb * 1024 * 1024))
+    if o.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = f"{o.cycle_time_ms:g}"
+    if o.cache_capacity is not None:
+        env["HOROVOD_CACHE_CAPACITY"] = str(o.cache_capacity)
+    if o.disable_cache:
+        env["HOROVOD_CACHE_CAPACITY"] = "0"
+    if o.hierarchical_allreduce is not None:
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if o.hierarchical_allreduce else "0"
+    if o.hierarchical_allgather is not None:
+        env["HOROVOD_HIERARCHICAL_ALLGATHER"] = "1" if o.hierarchical_allgather else "0"
+    if o.timeline_filename:
+        env["HOROVOD_TIMELINE"] = o.timeline_filename
+    if o.no_stall_check:
+        env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    if o.stall_check_warning_time_seconds is not None:
+        env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{o.stall_check_warning_time_seconds:g}"
+    if o.stall_check_shutdown_time_seconds is not None:
+        env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = f"{o.stall_check_shutdown_time_seconds:g}"
+    if o.log_level:
+        env["HOROVOD_LOG_LEVEL"] = o.log_level
+    if o.interfaces:
+        # The runtime's control plane and torch's Gloo take one interface, NCCL a list.
+        env.update(HOROVOD_GLOO_IFACE=o.interfaces[0], GLOO_SOCKET_IFNAME=o.interfaces[0],
+                   NCCL_SOCKET_IFNAME=",".join(o.interfaces))
+    return env
