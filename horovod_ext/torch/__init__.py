@@ -21,7 +21,12 @@ from .mpi_ops import (ProcessSet, allgather, allgather_async, allgather_object, 
 # issue 5 (Adasum) exports
 from ..adasum_op import Adasum
 # issue 6 (1-bit) exports
+from onebit import OnebitAdam, OnebitLamb
+from ..onebit_op import OneBit
 # issue 7 (LAMB, random-k, SLAMB) exports
+from slamb import SLAMB
+from ..backends.lamb import Lamb
+from ..randomk_op import RandomK
 
 init = _runtime.init
 shutdown = _runtime.shutdown

@@ -1,0 +1,149 @@
+"""LAMB (You et al., 2020) as written in the 1-bit LAMB paper, equation (2): the math shared by
+``onebit/`` (1-bit LAMB) and ``slamb/`` (SLAMB), and the plain ``Lamb`` torch optimizer that both
+are compared with.
+
+Per tensor (each weight and each bias has its own coefficient)::
+
+    m = beta1 m + (1 - beta1) g                  v = beta2 v + (1 - beta2) g^2
+    m^ = m / (1 - beta1^t), v^ = v / (1 - beta2^t)            (bias_correction=True)
+    u = m^ / (sqrt(v^) + eps) + weight_decay * x               (eps_inside_sqrt=False)
+    u = m^ / sqrt(v^ + eps) + weight_decay * x                 (eps_inside_sqrt=True, eq. 2)
+    c = clip(||x|| / ||u||, min_coeff, max_coeff)              (1 before clipping if a norm is 0)
+    x = x - lr * c * u
+
+The clip bounds apply to the whole ratio, as the 1-bit LAMB paper does (footnote 3), not to
+``||x||`` alone.  A zero norm (a zero-initialised bias, an all-zero update) gives ratio 1 before
+clipping, as in the reference LAMB and DeepSpeed/Apex: a zero bias must still be able to move.
+
+Everything here is torch ops on tensors (no ``.item()``), so it runs on CUDA without host syncs
+and the helpers work equally on one norm or a batch of per-layer norms.
+"""
+import math
+from typing import Iterable, Optional, Tuple, Union
+
+import torch
+
+Number = Union[float, torch.Tensor]
+
+# DeepSpeed's FusedLamb / OnebitLamb defaults for the clip bounds.
+DEFAULT_MIN_COEFF = 0.01
+DEFAULT_MAX_COEFF = 10.0
+
+
+def trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor,
+                min_coeff: float = 0.0, max_coeff: float = math.inf) -> torch.Tensor:
+    """LAMB's layer-wise coefficient ``clip(||x|| / ||u||, min_coeff, max_coeff)``; 1 (before
+    clipping) wherever either norm is 0, so it never produces inf or nan.  Works element-wise
+    on tensors of norms of any shape."""
+    ok = (param_norm > 0) & (update_norm > 0)
+    safe_den = torch.where(ok, update_norm, torch.ones_like(update_norm))
+    ratio = torch.where(ok, param_norm / safe_den, torch.ones_like(param_norm))
+    return ratio.clamp(min=min_coeff, max=max_coeff)
+
+
+def bias_corrections(step: int, beta1: float, beta2: float,
+                     bias_correction: bool = True) -> Tuple[float, float]:
+    """(1 - beta1^t, 1 - beta2^t), or (1, 1) without bias correction; ``step`` counts from 1."""
+    if not bias_correction:
+        return 1.0, 1.0
+    return 1.0 - beta1 ** step, 1.0 - beta2 ** step
+
+
+def update_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                    beta1: float, beta2: float) -> None:
+    """In place: m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2."""
+    exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+
+
+def adam_direction(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta1: float,
+                   beta2: float, eps: float, bias_correction: bool = True,
+                   eps_inside_sqrt: bool = False) -> torch.Tensor:
+    """m^ / (sqrt(v^) + eps) (or m^ / sqrt(v^ + eps)) as a new tensor."""
+    bc1, bc2 = bias_corrections(step, beta1, beta2, bias_correction)
+    v_hat = exp_avg_sq / bc2
+    denom = (v_hat + eps).sqrt_() if eps_inside_sqrt else v_hat.sqrt_().add_(eps)
+    return (exp_avg / bc1).div_(denom)
+
+
+def lamb_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
+                beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+                bias_correction: bool = True, eps_inside_sqrt: bool = False) -> torch.Tensor:
+    """LAMB's update direction u (before the trust ratio), weight decay included.  The moments
+    must already hold step ``step``."""
+    u = adam_direction(exp_avg, exp_avg_sq, step, beta1, beta2, eps, bias_correction,
+                       eps_inside_sqrt)
+    if weight_decay != 0.0:
+        u.add_(param, alpha=weight_decay)
+    return u
+
+
+def lamb_coefficient(param: torch.Tensor, update: torch.Tensor, min_coeff: float,
+                     max_coeff: float) -> torch.Tensor:
+    """The clipped trust ratio of one tensor, as a 0-d tensor (computed in float32 at least)."""
+    dtype = torch.promote_types(param.dtype, torch.float32)
+    return trust_ratio(torch.linalg.vector_norm(param, dtype=dtype),
+                       torch.linalg.vector_norm(update, dtype=dtype), min_coeff, max_coeff)
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB with decoupled-into-the-update weight decay, a bias-correction switch, eps and the
+    trust-ratio clip bounds.  ``state[p]`` holds ``step`` (int), ``exp_avg``, ``exp_avg_sq``
+    and ``lamb_coeff`` (the last clipped coefficient, a 0-d tensor; 1-bit LAMB tracks it).
+
+    >>> opt = Lamb(model.parameters(), lr=1e-3, weight_decay=0.01)
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, bias_correction: bool = True,
+                 min_coeff: float = DEFAULT_MIN_COEFF, max_coeff: float = DEFAULT_MAX_COEFF,
+                 eps_inside_sqrt: bool = False):
+        check_lamb_args(lr, betas, eps, weight_decay, min_coeff, max_coeff)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, min_coeff=min_coeff,
+                        max_coeff=max_coeff, eps_inside_sqrt=eps_inside_sqrt)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Lamb does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                update_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
+                u = lamb_update(p, state["exp_avg"], state["exp_avg_sq"], state["step"], beta1,
+                                beta2, group["eps"], group["weight_decay"],
+                                group["bias_correction"], group["eps_inside_sqrt"])
+                coeff = lamb_coefficient(p, u, group["min_coeff"], group["max_coeff"])
+                state["lamb_coeff"] = coeff
+                p.sub_(u * (coeff.to(u.dtype) * group["lr"]))
+        return loss
+
+
+def check_lamb_args(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,
+                    min_coeff: float, max_coeff: Optional[float]) -> None:
+    """Clear errors for hyper-parameters LAMB cannot use (shared by every LAMB variant)."""
+    if not lr >= 0.0:
+        raise ValueError(f"invalid learning rate {lr!r}: must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"invalid betas {betas!r}: need two values in [0, 1)")
+    if not eps >= 0.0:
+        raise ValueError(f"invalid eps {eps!r}: must be >= 0")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"invalid weight_decay {weight_decay!r}: must be >= 0")
+    if not 0.0 <= min_coeff <= max_coeff:
+        raise ValueError(f"invalid trust-ratio bounds min_coeff={min_coeff!r}, "
+                         f"max_coeff={max_coeff!r}: need 0 <= min_coeff <= max_coeff")

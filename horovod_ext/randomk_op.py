@@ -1,0 +1,111 @@
+"""``hvd.RandomK(ratio)``: sparse random-k averaging as a registry op (adapter over ``slamb``).
+
+For every tensor (layer) of the buffer, a fraction ``ratio`` of its elements, drawn from a mask
+that every rank generates from (step of that layer, layer name) without sending indices, is
+averaged over all ranks; the other elements keep this rank's value (SLAMB's local error
+compensation: the unsynchronised part stays local).  1-D tensors and tensors below
+``slamb.SMALL_TENSOR_NUMEL`` elements are averaged in full.  All of a buffer's values travel in
+one allreduce.  Ranks' results therefore differ outside the mask: a model trained with it
+drifts apart per rank until its parameters are averaged (SLAMB does that every H steps).
+
+Hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1 with several nodes): full average
+inside the node (reduce-scatter), the sparse step across nodes on each rank's shard, all-gather
+inside the node; the unselected elements then hold the node's average.
+
+State: the step count of each layer name (it seeds the mask), so the op never fuses separate
+requests (``fuse_across_requests = False``).
+"""
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from slamb.mask import random_k_indices, slice_indices
+from slamb.sparse import SMALL_TENSOR_NUMEL, Entry, masked_average_, syncs_in_full
+
+from .backends.base import ReduceOp
+from .backends.topology import Topology
+from .ops import Layer, Op, get_op, register_op
+
+
+class RandomKOp(Op):
+    fuse_across_requests = False
+
+    def __init__(self, ratio: float, small_tensor_numel: int = SMALL_TENSOR_NUMEL, seed: int = 0):
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"RandomK ratio must be in (0, 1], got {ratio!r}")
+        self.ratio = float(ratio)
+        self.small_tensor_numel = small_tensor_numel
+        self.seed = seed
+        self.name = op_name(self.ratio)
+        self.steps: Dict[str, int] = {}      # per layer name: how many times it was reduced
+        self.bytes_sent = 0                  # payload bytes this rank put into allreduces
+
+    def check_dtype(self, dtype):
+        if not dtype.is_floating_point:
+            return f"op {self.name} averages floating-point tensors only, not {dtype}"
+        return None
+
+    def allreduce(self, buffer, layers, comms):
+        flat = buffer.view(-1)
+        if not layers:
+            layers = [Layer(0, flat.numel(), tuple(buffer.shape), "")]
+        masks = [self._mask(layer, flat.device) for layer in layers]
+        topo = comms.topology
+        if not (comms.hierarchical_allreduce and comms.hierarchy_applies):
+            self.bytes_sent += masked_average_(self._entries(flat, 0, layers, masks),
+                                               topo.world, topo.size)
+            return buffer
+
+        def cross_step(shard: torch.Tensor, offset: int, tp: Topology) -> torch.Tensor:
+            shard.mul_(1.0 / tp.local_size)      # node sum -> node average
+            self.bytes_sent += masked_average_(self._entries(shard, offset, layers, masks),
+                                               tp.cross, tp.cross_size)
+            return shard
+
+        return comms.allreduce(buffer, ReduceOp.SUM, cross_step=cross_step)
+
+    def _mask(self, layer: Layer, device) -> Optional[torch.Tensor]:
+        """Sorted indices of the layer's selected elements, None when it syncs in full."""
+        step = self.steps.get(layer.name, 0) + 1
+        # Unnamed requests get a fresh name per call ("allreduce.noname.<n>"), which already
+        # varies the mask: counting them would only grow this dict without end.
+        if ".noname." not in layer.name:
+            self.steps[layer.name] = step
+        if syncs_in_full(layer.shape, self.small_tensor_numel):
+            return None
+        return random_k_indices(layer.numel, self.ratio, self.seed, step, layer.name, device)
+
+    @staticmethod
+    def _entries(part: torch.Tensor, offset: int, layers: Sequence[Layer],
+                 masks: Sequence[Optional[torch.Tensor]]) -> List[Entry]:
+        """(view, local indices) of every layer overlapping ``part`` = buffer[offset:...]."""
+        end = offset + part.numel()
+        entries: List[Entry] = []
+        for layer, idx in zip(layers, masks):
+            lo, hi = max(layer.offset, offset), min(layer.offset + layer.numel, end)
+            if lo >= hi:
+                continue
+            view = part[lo - offset:hi - offset]
+            if idx is None:
+                entries.append((view, None))
+                continue
+            entries.append((view, slice_indices(idx, lo - layer.offset, hi - layer.offset)))
+        return entries
+
+
+def op_name(ratio: float) -> str:
+    return f"randomk_{float(ratio):g}"
+
+
+def RandomK(ratio: float) -> RandomKOp:
+    """The random-k averaging op for ``ratio`` (the fraction of each large tensor's elements
+    averaged per call), registered as ``randomk_<ratio>``; the same object for the same ratio,
+    so every rank may call this wherever it needs the op."""
+    name = op_name(ratio)
+    try:
+        existing = get_op(name)
+    except ValueError:
+        return register_op(RandomKOp(ratio))
+    if not isinstance(existing, RandomKOp):
+        raise ValueError(f"an op named {name!r} is registered already and is not RandomK")
+    return existing

@@ -1,0 +1,218 @@
+"""Error-compensated 1-bit compressed allreduce (1-bit Adam section 6, Figure 3; 1-bit LAMB §5).
+
+``compressed_allreduce_(x, comm, errors)`` replaces the flat tensor ``x`` by the compressed average
+over the ranks of ``comm``, in three phases:
+
+1. every rank (worker) adds its worker error to ``x``, compresses it (signs plus one scale per
+   layer segment), keeps what was lost as its new worker error, sends the signs of chunk ``i`` to
+   rank ``i`` (all-to-all) and all-gathers its scales;
+2. every rank (server) averages the n decompressed copies of the chunk it owns, adds its server
+   error, recompresses (one scale per layer part of the chunk) and keeps the new server error;
+3. the packed chunks and their scales are all-gathered and decompressed everywhere.
+
+The tensor is padded so that each chunk is a whole number of bytes; padding never enters a scale.
+Every rank ends with the same values.  ``ErrorFeedback`` holds one tensor's errors on one rank and
+counts the bytes this rank sends (each block counted once per receiving rank, as ring or direct
+algorithms send them); compare with a float32 ring allreduce, ``2 (n-1)/n * 4 * numel``.
+
+``hierarchical_compressed_allreduce_`` averages inside each node at full precision first and
+compresses only across nodes (the papers' clusters did the same).
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from horovod_ext.backends.base import Communicator, ReduceOp, split_sizes
+from horovod_ext.backends.topology import Topology
+
+from .compression import decompress, pack_signs, scale_dtype, segment_scales
+
+
+class ErrorFeedback:
+    """Worker and server error of one tensor on this rank, plus the bytes this rank sent for it.
+
+    The errors are created (zero) on the first call and must keep the same length and dtype;
+    ``state_dict()`` / ``load_state_dict()`` carry them (per rank) across checkpoints."""
+
+    def __init__(self):
+        self.worker: Optional[torch.Tensor] = None
+        self.server: Optional[torch.Tensor] = None
+        self.bytes_sent = 0
+        self.last_bytes_sent = 0
+        self.calls = 0
+        self._workspace = {}
+
+    def buffer(self, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A reusable scratch tensor (not saved): fresh large allocations cost page faults
+        that take longer than the arithmetic."""
+        t = self._workspace.get(key)
+        if t is None or t.numel() < numel or t.dtype != dtype or t.device != torch.device(device):
+            t = self._workspace[key] = torch.empty(numel, dtype=dtype, device=device)
+        return t[:numel]
+
+    def ensure(self, numel: int, chunk: int, dtype: torch.dtype, device) -> None:
+        if self.worker is not None:
+            if (self.worker.numel(), self.worker.dtype) != (numel, dtype):
+                raise ValueError(f"compressed allreduce: error state is for {self.worker.numel()} "
+                                 f"{self.worker.dtype} elements, got {numel} {dtype}; use one "
+                                 f"ErrorFeedback (one name) per tensor")
+            if self.server.numel() != chunk:
+                raise ValueError(f"compressed allreduce: server error has {self.server.numel()} "
+                                 f"elements, the chunk of this rank needs {chunk} (was the "
+                                 f"number of ranks changed?)")
+            return
+        self.worker = torch.zeros(numel, dtype=dtype, device=device)
+        self.server = torch.zeros(chunk, dtype=dtype, device=device)
+
+    def reset(self) -> None:
+        self.worker = self.server = None
+
+    def state_dict(self) -> dict:
+        return {"worker": self.worker, "server": self.server, "bytes_sent": self.bytes_sent,
+                "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        def copy(t):
+            return None if t is None else t.detach().clone()
+        self.worker, self.server = copy(state["worker"]), copy(state["server"])
+        self.bytes_sent, self.calls = int(state["bytes_sent"]), int(state["calls"])
+
+
+def chunk_size(numel: int, size: int) -> int:
+    """Elements per rank's chunk: ``numel`` split over ``size`` ranks, rounded up to bytes."""
+    return 8 * -(-numel // (8 * size))
+
+
+def _bounds(numel: int, lengths: Optional[Sequence[int]]) -> List[int]:
+    """Segment boundaries [0, ..., numel] from layer lengths (empty layers dropped)."""
+    if lengths is None:
+        return [0, numel]
+    if sum(lengths) != numel:
+        raise ValueError(f"layer lengths sum to {sum(lengths)}, the tensor has {numel} elements")
+    bounds = [0]
+    for length in lengths:
+        if length:
+            bounds.append(bounds[-1] + length)
+    return bounds
+
+
+def _pieces(bounds: List[int], lo: int, hi: int) -> List[Tuple[int, int]]:
+    """(layer index, length) of the parts of [lo, hi) cut by the layer boundaries."""
+    out = []
+    for i in range(len(bounds) - 1):
+        a, b = max(bounds[i], lo), min(bounds[i + 1], hi)
+        if a < b:
+            out.append((i, b - a))
+    return out
+
+
+def compressed_bytes(numel: int, size: int, itemsize: int = 4) -> int:
+    """Bytes one rank sends for a tensor of ``numel`` elements compressed as one layer: its
+    chunk of signs to each other rank, its chunk of averaged signs back to each, and one scale
+    each way (``ErrorFeedback.bytes_sent`` counts the real calls, per-layer scales included)."""
+    if size == 1 or numel == 0:
+        return 0
+    return (size - 1) * (2 * chunk_size(numel, size) // 8 + 2 * itemsize)
+
+
+def compressed_allreduce_(x: torch.Tensor, comm: Communicator, errors: ErrorFeedback,
+                          lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Replace the flat contiguous floating-point ``x`` by its error-compensated 1-bit average
+    over ``comm``, one scale per layer (``lengths``, default one layer); returns ``x``."""
+    if x.dim() != 1 or not x.is_contiguous():
+        raise ValueError("compressed_allreduce_ needs a flat contiguous tensor")
+    if not x.is_floating_point():
+        raise TypeError(f"1-bit compression needs a floating-point tensor, got {x.dtype}")
+    numel, n, me = x.numel(), comm.size, comm.rank
+    if numel == 0:
+        return x
+    dtype, sdtype, itemsize = x.dtype, scale_dtype(x.dtype), 8 if x.dtype == torch.float64 else 4
+    bounds = _bounds(numel, lengths)
+    layer_lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    chunk = chunk_size(numel, n)
+    cbytes = chunk // 8
+    errors.ensure(numel, chunk, dtype, x.device)
+
+    # Phase 1 (worker): compensate, compress, keep the error; signs all-to-all, scales all-gather.
+    device = x.device
+    mask = errors.buffer("mask", numel, torch.bool, device)
+    values = errors.buffer("values", numel, dtype, device)
+    compensated = errors.worker.add_(x)
+    scales = segment_scales(compensated, layer_lengths)
+    packed = torch.full((n * cbytes,), 0xFF, dtype=torch.uint8, device=device)
+    pack_signs(compensated, packed, mask)
+    errors.worker.sub_(decompress(packed, scales, layer_lengths, dtype, out=values))
+    received = comm.alltoall(packed, [cbytes] * n, [cbytes] * n).view(n, cbytes)
+    all_scales = comm.allgather(scales, [len(layer_lengths)] * n).view(n, -1)
+
+    # Phase 2 (server): average the chunk this rank owns, compensate, recompress.
+    pieces = [_pieces(bounds, k * chunk, min((k + 1) * chunk, numel)) for k in range(n)]
+    mine = pieces[me]
+    owned = sum(length for _, length in mine)
+    server_packed = torch.full((cbytes,), 0xFF, dtype=torch.uint8, device=x.device)
+    server_scales = torch.empty(0, dtype=sdtype, device=x.device)
+    if owned:
+        piece_lengths = [length for _, length in mine]
+        layer_of = torch.tensor([i for i, _ in mine], device=x.device)
+        total = errors.buffer("total", owned, sdtype, device)
+        part = errors.buffer("part", owned, sdtype, device)
+        for j in range(n):  # in rank order, the same sum on every rank and in any simulation
+            decompress(received[j], all_scales[j].index_select(0, layer_of), piece_lengths,
+                       sdtype, out=total if j == 0 else part)
+            if j:
+                total.add_(part)
+        server = errors.server[:owned].add_(total.div_(n).to(dtype))
+        server_scales = segment_scales(server, piece_lengths)
+        pack_signs(server, server_packed, mask)
+        server.sub_(decompress(server_packed, server_scales, piece_lengths, dtype,
+                               out=values[:owned]))
+
+    # Phase 3: every rank gets every chunk.
+    gathered = comm.allgather(server_packed, [cbytes] * n)
+    counts = [len(p) for p in pieces]
+    gathered_scales = comm.allgather(server_scales, counts) if n > 1 else server_scales
+    all_lengths = [length for p in pieces for _, length in p]
+    decompress(gathered, gathered_scales, all_lengths, dtype, out=x)
+
+    sent = (n - 1) * (2 * cbytes + (len(layer_lengths) + len(mine)) * itemsize)
+    errors.last_bytes_sent = sent
+    errors.bytes_sent += sent
+    errors.calls += 1
+    return x
+
+
+def hierarchy_applies(topology: Topology) -> bool:
+    """Several nodes with the same number (> 1) of processes each."""
+    return topology.num_nodes > 1 and topology.local_size > 1 and topology.is_homogeneous
+
+
+def hierarchical_compressed_allreduce_(x: torch.Tensor, topology: Topology,
+                                       errors: ErrorFeedback,
+                                       lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Full-precision average inside the node (reduce-scatter), 1-bit compressed average of each
+    rank's shard across nodes, all-gather inside the node; returns ``x`` (replaced in place).
+    ``errors`` then holds this rank's shard's errors."""
+    counts = split_sizes(x.numel(), topology.local_size)
+    offset = sum(counts[:topology.local_rank])
+    shard = topology.local.reduce_scatter(x, counts, ReduceOp.SUM)
+    shard.div_(topology.local_size)
+    compressed_allreduce_(shard, topology.cross, errors,
+                          _shard_lengths(x.numel(), lengths, offset, counts[topology.local_rank]))
+    x.copy_(topology.local.allgather(shard, counts))
+    return x
+
+
+def _shard_lengths(numel: int, lengths: Optional[Sequence[int]], offset: int,
+                   count: int) -> Optional[List[int]]:
+    if lengths is None:
+        return None
+    return [length for _, length in _pieces(_bounds(numel, lengths), offset, offset + count)] \
+        or [count]
+
+
+def allreduce_average_(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Full-precision in-place average over ``comm`` (the optimizers' warm-up)."""
+    if comm.size > 1:
+        comm.allreduce(x, ReduceOp.SUM).div_(comm.size)
+    return x
+

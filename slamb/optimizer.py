@@ -1,0 +1,295 @@
+"""SLAMB (Xu et al., ICML 2023), Algorithm 1: LAMB whose momentum is synchronised sparsely.
+
+Per step t, on every rank i (the paper's line numbers):
+
+ 5  local gradient g (hierarchical: first averaged inside the node, Appendix E)
+ 6  random-k mask M_t, the same on every rank, drawn from (seed, t) -- no index is sent
+ 7  m = beta1 m + (1 - beta1) g
+ 8  m = m * not(M) + mean_i(m * M)                                  (masked momentum sync)
+ 9  g = g * not(M) + mean_i(g * M)        only with sync_gradients=True (skipped by default,
+                                          as the paper does in all its experiments, Table 13)
+10  v = beta2 v + (1 - beta2) g^2
+11  bias correction;  12  u = m / (sqrt(v) + eps) + weight_decay x
+13  c = 1 * M + beta3 c * not(M)                                    (staleness, c_0 = 1)
+15-17 per tensor: phi_max from the synchronised part, phi_min from the rest,
+      phi~ = phi_max c + phi_min (1 - c)        (element-wise, c varies per element)
+18  eta~ = eta c + eta / sqrt(n) (1 - c)
+19  x = x - eta~ phi~ / ||u|| u
+21  every H steps (and at ``total_steps``): x = mean_i(x)            (model sync)
+
+``scaling="algorithm"`` is lines 15-19 as printed: phi_max = phi(||x*M|| ||u|| / ||u*M||) and
+the update divides by ||u|| (phi clips a quantity of the size of ||x||).
+``scaling="simplified"`` is what Appendix E says the authors implemented: phi_max =
+phi(||x*M|| / ||u*M||), phi_min = phi(||x*notM|| / ||u*notM||) and x = x - eta~ phi~ u, i.e. phi
+clips the LAMB trust ratio itself, as 1-bit LAMB's equation (2) and ``Lamb`` do; the paper's
+BERT bounds a = 0.01, b = 0.4 are meant for this form.  Without clipping both are the same.
+
+1-D tensors and tensors below ``small_tensor_numel`` elements are synchronised in full every
+step (SLAMB's reference code): for them M = 1, c = 1, and the update is LAMB's.  With k = 1,
+H = 1 and sync_gradients=True SLAMB is LAMB on averaged gradients.
+
+Hierarchical (several nodes with several ranks each): gradients are averaged in full inside the
+node first; the sparse sync and the model sync then run across nodes, and n in eta / sqrt(n)
+is the number of nodes (each node's local part is one node's batch).
+
+Communication goes through ``horovod_ext.backends.context.current().execute`` (ordered with
+every other collective of the job), or straight over ``topology=`` when one is given.
+"""
+import math
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from horovod_ext.backends import context
+from horovod_ext.backends.lamb import check_lamb_args, lamb_update, trust_ratio
+from horovod_ext.backends.topology import Topology
+
+from .mask import random_k_indices, split_indices
+from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_, syncs_in_full
+
+SCALINGS = ("algorithm", "simplified")
+
+
+class SLAMB(torch.optim.Optimizer):
+    """SLAMB over all ranks of the job; use it directly on the model's parameters (not inside
+    DistributedOptimizer).  Start from identical parameters on every rank
+    (``hvd.broadcast_parameters``).
+
+    Attributes: ``last_step_bytes`` (payload bytes this rank put into allreduces across ranks,
+    or across nodes when hierarchical, in the last ``step()``, model sync included, plus those
+    of ``average_parameters()`` calls since; ``last_step_node_bytes``: the in-node gradient
+    average of a hierarchical step),
+    ``bytes_sent`` (all of them), ``last_comm_seconds`` and ``comm_seconds`` (the same for wall
+    time spent communicating), ``last_synced_model`` (whether the model was averaged since the
+    last step began).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 beta3: float = 0.95, eps: float = 1e-6, weight_decay: float = 0.0,
+                 ratio: float = 0.1, sync_interval: int = 100, min_coeff: float = 0.01,
+                 max_coeff: float = 0.4, scaling: str = "algorithm",
+                 sync_gradients: bool = False, bias_correction: bool = True,
+                 eps_inside_sqrt: bool = False, total_steps: Optional[int] = None,
+                 hierarchical: Optional[bool] = None,
+                 small_tensor_numel: int = SMALL_TENSOR_NUMEL, seed: int = 0,
+                 topology: Optional[Topology] = None):
+        check_lamb_args(lr, betas, eps, weight_decay, min_coeff, max_coeff)
+        if not 0.0 <= beta3 <= 1.0:
+            raise ValueError(f"invalid beta3 {beta3!r}: must be in [0, 1] (paper: 0.93-0.95)")
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"invalid ratio {ratio!r}: the fraction k of elements synchronised "
+                             f"per step must be in (0, 1]")
+        if int(sync_interval) != sync_interval or sync_interval < 1:
+            raise ValueError(f"invalid sync_interval {sync_interval!r}: a number of steps >= 1")
+        if scaling not in SCALINGS:
+            raise ValueError(f"invalid scaling {scaling!r}: one of {SCALINGS}")
+        if total_steps is not None and total_steps < 1:
+            raise ValueError(f"invalid total_steps {total_steps!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), beta3=beta3, eps=eps,
+                        weight_decay=weight_decay, min_coeff=min_coeff, max_coeff=max_coeff,
+                        bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt)
+        super().__init__(params, defaults)
+        self.ratio = float(ratio)
+        self.sync_interval = int(sync_interval)
+        self.scaling = scaling
+        self.sync_gradients = sync_gradients
+        self.total_steps = total_steps
+        self.hierarchical = hierarchical
+        self.small_tensor_numel = small_tensor_numel
+        self.seed = int(seed)
+        self._topology = topology
+        self._step = 0              # t of the last step taken
+        self._since_sync = 0        # steps since the last model sync (position in the H cycle)
+        self.last_step_bytes = 0
+        self.last_step_node_bytes = 0
+        self.bytes_sent = 0
+        self.last_comm_seconds = 0.0
+        self.comm_seconds = 0.0
+        self.last_synced_model = False
+
+    # --- communication ------------------------------------------------------------------------
+    def _topo(self) -> Topology:
+        return self._topology if self._topology is not None else context.current().topology
+
+    def _uses_hierarchy(self, topo: Topology) -> bool:
+        wanted = self.hierarchical
+        if wanted is None:
+            wanted = self._topology is None and context.current().hierarchical_allreduce
+        return bool(wanted) and topo.num_nodes > 1 and topo.local_size > 1 and topo.is_homogeneous
+
+    def _run(self, name: str, fn: Callable[[Topology], int], across_nodes: bool = True) -> int:
+        """Run ``fn(topology)`` on every rank (through the engine unless a topology was given),
+        counting its time and the bytes it returns."""
+        start = time.perf_counter()
+        if self._topology is not None:
+            sent = fn(self._topology)
+        else:
+            sent = context.current().execute(f"SLAMB.{name}", fn)
+        elapsed = time.perf_counter() - start
+        self.last_comm_seconds += elapsed
+        self.comm_seconds += elapsed
+        if across_nodes:
+            self.last_step_bytes += sent
+            self.bytes_sent += sent
+        else:
+            self.last_step_node_bytes += sent
+        return sent
+
+    def _params(self) -> List[Tuple[torch.Tensor, Dict[str, Any]]]:
+        return [(p, g) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def average_parameters(self) -> None:
+        """Model sync (Algorithm 1, line 22): every rank's parameters become their average.
+        Called every ``sync_interval`` steps and at ``total_steps``; call it yourself at the end
+        of training (or before evaluating or saving) to get one model."""
+        tensors = [p.detach() for p, _ in self._params()]
+
+        def sync(topo: Topology) -> int:
+            if not self._uses_hierarchy(topo):
+                return flat_average_(tensors, topo.world, topo.size)
+            # Ranks of a node hold the same model (same node-averaged gradients): each averages
+            # its share across nodes, the node gathers the shares (bitwise the same copies).
+            return flat_average_(tensors, topo.cross, topo.cross_size, shard_over=topo.local)
+
+        with torch.no_grad():
+            self._run("params", sync)
+        self._since_sync = 0
+        self.last_synced_model = True
+
+    # --- the step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.last_step_bytes = 0
+        self.last_step_node_bytes = 0
+        self.last_comm_seconds = 0.0
+        self.last_synced_model = False
+        params = self._params()
+        if not params:
+            return loss
+        t = self._step + 1
+        topo = self._topo()
+        hier = self._uses_hierarchy(topo)
+        n = topo.cross_size if hier else topo.size
+        # A parameter without a gradient on this rank takes part with zeros (as in Horovod), so
+        # every rank sends the same layout.
+        grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+                 for p, _ in params]
+        if any(g.is_sparse for g in grads):
+            raise RuntimeError("SLAMB does not support sparse gradients")
+        for p, _ in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                state["staleness"] = torch.ones_like(p, memory_format=torch.contiguous_format)
+            state["step"] += 1
+
+        if hier:   # Appendix E: full average inside the node first
+            grads = [g.contiguous().clone() for g in grads]
+            self._run("node_grads", lambda tp: flat_average_(grads, tp.local, tp.local_size),
+                      across_nodes=False)
+
+        for (p, group), g in zip(params, grads):           # line 7
+            beta1, _ = group["betas"]
+            self.state[p]["exp_avg"].mul_(beta1).add_(g, alpha=1.0 - beta1)
+
+        # Line 6: one mask over the concatenation of the masked tensors.
+        full = [syncs_in_full(p.shape, self.small_tensor_numel) for p, _ in params]
+        sparse_sizes = [p.numel() for (p, _), f in zip(params, full) if not f]
+        device = params[0][0].device
+        idx = random_k_indices(sum(sparse_sizes), self.ratio, self.seed, t, "SLAMB", device)
+        pieces = iter(split_indices(idx, sparse_sizes))
+        local_idx = [None if f else next(pieces).to(p.device) for (p, _), f in zip(params, full)]
+
+        # Lines 8-9 in one allreduce: momentum and, optionally, gradients.
+        if self.sync_gradients and not hier:    # line 9 rewrites g: never the user's .grad
+            grads = [g.clone(memory_format=torch.contiguous_format) for g in grads]
+        entries = [(self.state[p]["exp_avg"].view(-1), i) for (p, _), i in zip(params, local_idx)]
+        if self.sync_gradients:
+            entries += [(g.view(-1), i) for g, i in zip(grads, local_idx)]
+        if n > 1:
+            self._run("sync", lambda tp: masked_average_(
+                entries, tp.cross, n, shard_over=tp.local) if hier else
+                masked_average_(entries, tp.world, n))
+
+        for (p, group), g, i in zip(params, grads, local_idx):
+            state = self.state[p]
+            beta1, beta2 = group["betas"]
+            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)   # line 10
+            c = state["staleness"]                                               # line 13
+            if i is None:
+                c.fill_(1.0)
+            else:
+                c.mul_(group["beta3"]).view(-1).index_fill_(0, i, 1.0)
+            u = lamb_update(p, state["exp_avg"], state["exp_avg_sq"], state["step"],     # 11-12
+                            beta1, beta2, group["eps"], group["weight_decay"],
+                            group["bias_correction"], group["eps_inside_sqrt"])
+            p.addcmul_(u, self._coefficients(p, u, c, i, group, n), value=-1.0)      # 14-19
+
+        self._step = t
+        self._since_sync += 1
+        if self._since_sync >= self.sync_interval or t == self.total_steps:          # 21-22
+            self.average_parameters()
+        return loss
+
+    def _coefficients(self, p: torch.Tensor, u: torch.Tensor, c: torch.Tensor,
+                      idx: Optional[torch.Tensor], group: Dict[str, Any], n: int) -> torch.Tensor:
+        """eta~ phi~ / ||u|| (algorithm) or eta~ phi~ (simplified): per element, or one 0-d
+        tensor for a tensor synchronised in full (c = 1)."""
+        lo, hi = group["min_coeff"], group["max_coeff"]
+        lr = group["lr"]
+        dtype = torch.promote_types(p.dtype, torch.float32)
+        x_sq = torch.linalg.vector_norm(p, dtype=dtype).square()
+        u_sq = torch.linalg.vector_norm(u, dtype=dtype).square()
+        if idx is None:
+            xm_sq, um_sq, rest = x_sq, u_sq, 0
+        else:
+            xm_sq = torch.linalg.vector_norm(p.view(-1).index_select(0, idx), dtype=dtype).square()
+            um_sq = torch.linalg.vector_norm(u.view(-1).index_select(0, idx), dtype=dtype).square()
+            rest = p.numel() - idx.numel()
+        if rest:
+            xn_sq, un_sq = (x_sq - xm_sq).clamp_(min=0), (u_sq - um_sq).clamp_(min=0)
+        else:   # nothing unsynchronised: phi_min has weight 1 - c = 0, keep it finite
+            xn_sq, un_sq = torch.zeros_like(x_sq), torch.zeros_like(u_sq)
+        if self.scaling == "simplified":
+            phi_max = trust_ratio(xm_sq.sqrt(), um_sq.sqrt(), lo, hi)
+            phi_min = trust_ratio(xn_sq.sqrt(), un_sq.sqrt(), lo, hi)
+            scale = 1.0
+        else:
+            u_norm = u_sq.sqrt()
+            phi_max = trust_ratio(xm_sq.sqrt() * u_norm, um_sq.sqrt(), lo, hi)
+            phi_min = trust_ratio(xn_sq.sqrt() * u_norm, un_sq.sqrt(), lo, hi)
+            scale = torch.where(u_norm > 0, 1.0 / u_norm.clamp(min=torch.finfo(dtype).tiny),
+                                torch.ones_like(u_norm))
+        lr_n = lr / math.sqrt(n)
+        phi_max, phi_min = phi_max * scale, phi_min * scale
+        if idx is None:     # c = 1 everywhere: eta~ phi~ = lr phi_max
+            return (phi_max * lr).to(p.dtype)
+        # eta~ phi~ = (lr_n + (lr - lr_n) c)(phi_min + (phi_max - phi_min) c) = A + (B + C c) c,
+        # three passes over c instead of six.
+        a = lr_n * phi_min
+        b = lr_n * (phi_max - phi_min) + (lr - lr_n) * phi_min
+        coeff = torch.addcmul(b.to(p.dtype), c, ((lr - lr_n) * (phi_max - phi_min)).to(p.dtype))
+        return coeff.mul_(c).add_(a.to(p.dtype))
+
+    # --- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        out = super().state_dict()
+        out["slamb"] = {"step": self._step, "since_sync": self._since_sync}
+        return out
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("slamb", None)
+        if extra is None:
+            raise ValueError("not a SLAMB state dict (no 'slamb' entry with the step and the "
+                             "position in the model-sync cycle)")
+        super().load_state_dict(state_dict)
+        self._step = int(extra["step"])
+        self._since_sync = int(extra["since_sync"])

@@ -1,0 +1,486 @@
+"""1-bit compression, compressed allreduce, hvd.OneBit, OnebitAdam and OnebitLamb against
+single-process simulations of n workers and servers written here, over real Gloo and MPI ranks.
+
+One 4-process run per backend covers 1 to 4 ranks: groups of 2, 3 (+ 1) and 4 split from the
+world run the compressed allreduce and both optimizers (``topology=``); the world also runs the
+public op, the optimizers through the job's context, and the bitwise resume.  A third run checks
+the hierarchical variant on 2 nodes x 2.
+"""
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+
+from tests.harness import BACKENDS, run_ranks
+
+# (numel, layer lengths or None, dtype): odd lengths, an empty layer, fewer elements than ranks
+CASES = [(1000, None, torch.float32), (37, [10, 0, 27], torch.float32), (5, None, torch.float32),
+         (257, [100, 157], torch.float16), (129, None, torch.bfloat16), (64, [64], torch.float64)]
+CALLS = 6
+TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12),
+       torch.float16: dict(rtol=2e-3, atol=2e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+OPT_TOL = dict(rtol=1e-5, atol=1e-6)   # optimizers: ranks average in another order than here
+SHAPES = [(5, 7), (5,), (3,)]          # the last parameter never gets a gradient
+STEPS, FREEZE = 7, 3
+
+
+def data(rank, call, numel, dtype, seed=0):
+    g = torch.Generator().manual_seed(10007 * seed + 101 * call + rank)
+    return (torch.randn(numel, generator=g) + 0.3).to(dtype)
+
+
+# --- the reference: n workers and servers in one process ------------------------------------
+def sim_compress(x, lengths):
+    """sign(x) * ||s|| / sqrt(len s) per segment s, scales rounded to x's dtype."""
+    sd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = []
+    for s in torch.split(x, lengths):
+        scale = torch.linalg.vector_norm(s, dtype=sd) / torch.tensor(len(s), dtype=sd).sqrt()
+        out.append(torch.where(s >= 0, 1.0, -1.0).to(x.dtype) * scale.to(x.dtype))
+    return torch.cat(out)
+
+
+class SimAllreduce:
+    """Worker errors per rank, server errors per chunk; chunks of ceil(numel / 8n) bytes."""
+
+    def __init__(self, n, numel, lengths, dtype):
+        self.n, self.numel, self.dtype = n, numel, dtype
+        self.lengths = [x for x in (lengths or [numel]) if x]
+        self.chunk = 8 * math.ceil(numel / (8 * n))
+        self.worker = [torch.zeros(numel, dtype=dtype) for _ in range(n)]
+        self.server = torch.zeros(numel, dtype=dtype)
+        self.bytes = [0] * n
+
+    def pieces(self, lo, hi):
+        out, pos = [], 0
+        for length in self.lengths:
+            a, b = max(pos, lo), min(pos + length, hi)
+            if a < b:
+                out.append(b - a)
+            pos += length
+        return out
+
+    def __call__(self, inputs):
+        n, sd = self.n, torch.float64 if self.dtype == torch.float64 else torch.float32
+        sent = []
+        for r in range(n):
+            c = self.worker[r] + inputs[r]
+            sent.append(sim_compress(c, self.lengths))
+            self.worker[r] = c - sent[r]
+        out = torch.empty(self.numel, dtype=self.dtype)
+        for k in range(n):
+            lo, hi = k * self.chunk, min((k + 1) * self.chunk, self.numel)
+            pieces = self.pieces(lo, hi) if lo < hi else []
+            if pieces:
+                total = None
+                for r in range(n):  # the server rebuilds sign * scale in float32 (float64)
+                    part = sent[r][lo:hi].to(sd)
+                    total = part if total is None else total + part
+                s = self.server[lo:hi] + (total / n).to(self.dtype)
+                out[lo:hi] = sim_compress(s, pieces)
+                self.server[lo:hi] = s - out[lo:hi]
+            item = 8 if self.dtype == torch.float64 else 4
+            self.bytes[k] += (n - 1) * (2 * self.chunk // 8 + (len(self.lengths) + len(pieces)) * item)
+        return out
+
+
+def init_params():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def grads_of(rank, step, params):
+    """Gradient of 0.5 ||p - target||^2 with a rank- and step-specific target; none for the
+    last parameter."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = [p - torch.randn(p.shape, generator=g) for p in params[:-1]]
+    return out + [None]
+
+
+def sim_optimizer(kind, ranks, steps, freeze, lr=0.01, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
+                  coeff_beta=0.9, fmin=0.5, fmax=4.0, thr=0.1, cmin=0.01, cmax=10.0):
+    """1-bit Adam / 1-bit LAMB as their Algorithm 1 on simulated workers (the gradients of
+    ``ranks``); the parameters after each step."""
+    b1, b2 = betas
+    n = len(ranks)
+    params = init_params()
+    numels = [p.numel() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    c_avg = [0.0] * len(params)
+    comm = SimAllreduce(n, sum(numels), numels if kind == "adam" else None, torch.float32)
+    history = []
+    for t in range(1, steps + 1):
+        grads = [[g if g is not None else torch.zeros_like(p)
+                  for g, p in zip(grads_of(r, t, params), params)] for r in ranks]
+        if t <= freeze:
+            for i, p in enumerate(params):
+                g = sum(grads[r][i] for r in range(n)) / n
+                m[i] = b1 * m[i] + (1 - b1) * g
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+                u = m[i] / (v[i].sqrt() + eps) + wd * p
+                if kind == "adam":
+                    params[i] = p - lr * u
+                else:
+                    pn, un = float(p.norm()), float(u.norm())
+                    c = min(max(pn / un if pn > 0 and un > 0 else 1.0, cmin), cmax)
+                    c_avg[i] = coeff_beta * c_avg[i] + (1 - coeff_beta) * c
+                    params[i] = p - lr * c * u
+            if t == freeze and kind == "lamb":
+                c_frozen = [c / (1 - coeff_beta ** t) for c in c_avg]
+                scales = [float(x.norm()) / math.sqrt(x.numel()) for x in m]
+                united = sum(scales) / len(scales)
+                coeff = [united / s if s > 0 else 1.0 for s in scales]
+                v_fresh = [x.clone() for x in v]
+                r_last = [1.0] * len(params)
+        else:
+            coeff_t = coeff if kind == "lamb" else [1.0] * len(params)
+            local = [torch.cat([((b1 * m[i] + (1 - b1) * grads[r][i]) * coeff_t[i]).reshape(-1)
+                                for i in range(len(params))]) for r in range(n)]
+            avg = torch.split(comm(local), numels)
+            m_prev = m
+            m = [a.view_as(p) / coeff_t[i] for i, (a, p) in enumerate(zip(avg, params))]
+            m[-1] = m[-1] * 0.0   # exp_avg_mask
+            for i, p in enumerate(params):
+                u = m[i] / (v[i].sqrt() + eps) + wd * p
+                if kind == "adam":
+                    params[i] = p - lr * u
+                    continue
+                g = (m[i] - b1 * m_prev[i]) / (1 - b1)
+                v_fresh[i] = b2 * v_fresh[i] + (1 - b2) * g * g
+                ratio = torch.where((v[i] == 0) & (v_fresh[i] == 0), 0.0, v[i] / v_fresh[i])
+                r_t = min(max(float(ratio.max()), (1 - thr) * r_last[i]), (1 + thr) * r_last[i])
+                r_t = min(max(r_t, fmin), fmax)
+                r_last[i] = r_t
+                params[i] = p - lr * r_t * c_frozen[i] * u
+        history.append([p.clone() for p in params])
+    return history
+
+
+# --- bodies run in every rank ---------------------------------------------------------------
+def _train(opt_cls, topology, steps, rank, name, weight_decay=0.01, **kw):
+    params = [torch.nn.Parameter(p) for p in init_params()]
+    # DeepSpeed's exp_avg_mask keeps the never-trained parameter's momentum at exactly 0, which
+    # one scale for the fused buffer (1-bit LAMB) cannot represent
+    groups = [{"params": params[:-1]}, {"params": params[-1:], "exp_avg_mask": torch.zeros(3)}]
+    opt = opt_cls(groups, lr=0.01, weight_decay=weight_decay, topology=topology,
+                  hierarchical=False, name=name, **kw)
+    history = []
+    for t in range(1, steps + 1):
+        for p, g in zip(params, grads_of(rank, t, [p.detach() for p in params])):
+            p.grad = g
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+    return history, opt.bytes_sent
+
+
+def _groups_body():
+    """Per group size: compressed allreduce cases, OnebitAdam, OnebitLamb on split groups."""
+    from horovod_ext.backends import context
+    from horovod_ext.backends.topology import Topology
+    from onebit import ErrorFeedback, OnebitAdam, OnebitLamb, compressed_allreduce_
+
+    def run(topology):
+        r = topology.rank
+        results = {}
+        for size in (2, 3, 4):
+            g = topology.world.split(0 if r < size else 1)
+            topo = Topology(world=g, local=g, cross=g, hostnames=["h"] * g.size,
+                            node_of=[0] * g.size, local_rank=g.rank, local_size=g.size,
+                            cross_rank=0, cross_size=1, is_homogeneous=True)
+            cases = []
+            for numel, lengths, dtype in CASES:
+                errors, outs = ErrorFeedback(), []
+                for call in range(CALLS):
+                    x = data(r, call, numel, dtype)
+                    outs.append(compressed_allreduce_(x, g, errors, lengths))
+                cases.append((outs, errors.worker, errors.server, errors.bytes_sent))
+            adam = _train(OnebitAdam, topo, STEPS, r, f"adam{size}", freeze_step=FREEZE)
+            lamb = _train(OnebitLamb, topo, STEPS, r, f"lamb{size}", freeze_step=FREEZE)
+            lamb1 = _train(OnebitLamb, topo, 3, r, f"lamb1.{size}", freeze_step=1)
+            results[size] = dict(group=g.size, cases=cases, adam=adam, lamb=lamb, lamb1=lamb1)
+        return results
+
+    return context.current().execute("test.onebit.groups", run)
+
+
+def _resume(opt_cls, path, k, m, rank, **kw):
+    """k steps, save (one file per rank), m more; then a fresh model and optimizer restored
+    from the file run the same m steps.  Both final parameter lists."""
+    def make():
+        params = [torch.nn.Parameter(p) for p in init_params()]
+        return params, opt_cls(params, lr=0.01, weight_decay=0.01, freeze_step=3,
+                               name=f"resume.{opt_cls.__name__}", **kw)
+
+    def steps(params, opt, first, count):
+        for t in range(first, first + count):
+            for p, g in zip(params, grads_of(rank, t, [p.detach() for p in params])):
+                p.grad = g
+            opt.step()
+
+    params, opt = make()
+    steps(params, opt, 1, k)
+    torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, path)
+    steps(params, opt, k + 1, m)
+    straight = [p.detach().clone() for p in params]
+    params, opt = make()
+    saved = torch.load(path, weights_only=False)
+    with torch.no_grad():
+        for p, s in zip(params, saved["params"]):
+            p.copy_(s)
+    opt.load_state_dict(saved["opt"])
+    steps(params, opt, k + 1, m)
+    return straight, [p.detach().clone() for p in params]
+
+
+def _world_body(tmpdir):
+    """The public API on the world: hvd.OneBit (named, grouped, from DistributedOptimizer),
+    optimizers through the context, resume, warm-up with bias correction."""
+    import horovod_ext.torch as hvd
+    from onebit import OnebitAdam, OnebitLamb
+    r = hvd.rank()
+    out = {"single": [], "grouped": []}
+    for call in range(CALLS):
+        out["single"].append(hvd.allreduce(data(r, call, 300, torch.float32, seed=1),
+                                           op=hvd.OneBit, name="ob.single"))
+        a, b = data(r, call, 40, torch.float32, seed=2), data(r, call, 21, torch.float32, seed=3)
+        out["grouped"].append(hvd.grouped_allreduce([a, b.view(3, 7)], op=hvd.OneBit,
+                                                    name="ob.grouped"))
+    out["op_bytes"] = hvd.OneBit.bytes_sent
+    try:
+        hvd.allreduce(torch.ones(4, dtype=torch.int32), op=hvd.OneBit, name="ob.int")
+        out["int_error"] = None
+    except TypeError as exc:
+        out["int_error"] = str(exc)
+    # DistributedOptimizer(op=OneBit): one request per gradient, every rank ends equal
+    model = torch.nn.Linear(6, 3)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.OneBit)
+    for t in range(3):
+        opt.zero_grad()
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 * t + r))
+        model(x).square().sum().backward()
+        opt.step()
+    out["dist_opt"] = [p.detach().clone() for p in model.parameters()]
+    out["adam_ctx"] = _train(OnebitAdam, None, STEPS, r, None, freeze_step=FREEZE)
+    out["lamb_ctx"] = _train(OnebitLamb, None, STEPS, r, None, freeze_step=FREEZE)
+    out["adam_bc"] = _train(OnebitAdam, None, 3, r, "bc", freeze_step=100, bias_correction=True,
+                             weight_decay=0.0)
+    out["resume_adam"] = _resume(OnebitAdam, os.path.join(tmpdir, f"adam{r}.pt"), 4, 3, r)
+    out["resume_lamb"] = _resume(OnebitLamb, os.path.join(tmpdir, f"lamb{r}.pt"), 4, 3, r)
+    out["resume_lamb_early"] = _resume(OnebitLamb, os.path.join(tmpdir, f"lambe{r}.pt"), 2, 3, r)
+    return out
+
+
+def _body(tmpdir):
+    return _groups_body(), _world_body(tmpdir)
+
+
+def _hier_body():
+    import horovod_ext.torch as hvd
+    from onebit import OnebitAdam
+    r = hvd.rank()
+    outs = [hvd.allreduce(data(r, call, 203, torch.float32, seed=4), op=hvd.OneBit, name="h")
+            for call in range(CALLS)]
+    params = [torch.nn.Parameter(p) for p in init_params()]
+    opt = OnebitAdam(params, lr=0.01, freeze_step=1)
+    for t in range(1, 4):
+        for p, g in zip(params, grads_of(r, t, [p.detach() for p in params])):
+            p.grad = g
+        opt.step()
+    return outs, [p.detach() for p in params], hvd.local_size(), hvd.cross_size()
+
+
+# --- checks ---------------------------------------------------------------------------------
+def check_opt(history, expected, what):
+    assert len(history) == len(expected)
+    for t, (got, exp) in enumerate(zip(history, expected)):
+        for i, (a, b) in enumerate(zip(got, exp)):
+            torch.testing.assert_close(a, b, **OPT_TOL, msg=lambda m: f"{what} step {t + 1} "
+                                                                       f"param {i}: {m}")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_onebit_every_process_count(backend):
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_body, 4, backend, args=(tmp,), timeout=120)
+    groups = [g for g, _ in results]
+    world = [w for _, w in results]
+    for size in (2, 3, 4):
+        for members in (range(0, size), range(size, 4)):
+            n = len(members)
+            if n == 0:
+                continue
+            for ci, (numel, lengths, dtype) in enumerate(CASES):
+                sim = SimAllreduce(n, numel, lengths, dtype)
+                expected = [sim([data(r, call, numel, dtype) for r in members])
+                            for call in range(CALLS)]
+                for j, r in enumerate(members):
+                    res = groups[r][size]
+                    assert res["group"] == n
+                    outs, worker, server, sent = res["cases"][ci]
+                    what = f"{backend} group {list(members)} rank {r} case {ci}"
+                    for call in range(CALLS):
+                        assert outs[call].dtype == dtype
+                        torch.testing.assert_close(outs[call], expected[call], **TOL[dtype],
+                                                   msg=lambda m: f"{what} call {call}: {m}")
+                    torch.testing.assert_close(worker, sim.worker[j], **TOL[dtype])
+                    lo, hi = j * sim.chunk, min((j + 1) * sim.chunk, numel)
+                    if lo < hi:
+                        torch.testing.assert_close(server[:hi - lo], sim.server[lo:hi], **TOL[dtype])
+                    assert sent == sim.bytes[j], what
+            for kind in ("adam", "lamb"):
+                expected = sim_optimizer(kind, list(members), STEPS, FREEZE)
+                for r in members:
+                    history, sent = groups[r][size][kind]
+                    check_opt(history, expected, f"{backend} {kind} n={n} rank {r}")
+                    assert (sent > 0) == (n > 1)
+            expected = sim_optimizer("lamb", list(members), 3, 1)
+            for r in members:
+                history, _ = groups[r][size]["lamb1"]
+                check_opt(history, expected, f"{backend} lamb freeze_step=1 n={n}")
+                # freeze_step=1 keeps moving (the frozen coefficient is not 0)
+                assert not torch.equal(history[-1][0], history[-2][0])
+    # the world: op, grouped op, DistributedOptimizer, optimizers via the context
+    sim_single = SimAllreduce(4, 300, None, torch.float32)
+    sim_group = SimAllreduce(4, 61, [40, 21], torch.float32)
+    for call in range(CALLS):
+        e1 = sim_single([data(r, call, 300, torch.float32, seed=1) for r in range(4)])
+        e2 = sim_group([torch.cat([data(r, call, 40, torch.float32, seed=2),
+                                   data(r, call, 21, torch.float32, seed=3)]) for r in range(4)])
+        for r in range(4):
+            torch.testing.assert_close(world[r]["single"][call], e1, **TOL[torch.float32])
+            a, b = world[r]["grouped"][call]
+            assert b.shape == (3, 7)
+            torch.testing.assert_close(torch.cat([a, b.reshape(-1)]), e2, **TOL[torch.float32])
+    for r in range(4):
+        assert world[r]["int_error"] and "floating-point" in world[r]["int_error"]
+        assert world[r]["op_bytes"] == sim_single.bytes[r] + sim_group.bytes[r]
+        for a, b in zip(world[r]["dist_opt"], world[0]["dist_opt"]):
+            assert torch.equal(a, b)
+        check_opt(world[r]["adam_ctx"][0], sim_optimizer("adam", range(4), STEPS, FREEZE), "adam ctx")
+        check_opt(world[r]["lamb_ctx"][0], sim_optimizer("lamb", range(4), STEPS, FREEZE), "lamb ctx")
+        for key in ("resume_adam", "resume_lamb", "resume_lamb_early"):
+            straight, resumed = world[r][key]
+            for a, b in zip(straight, resumed):
+                assert torch.equal(a, b), (backend, key, r)
+    # warm-up with bias_correction=True is torch.optim.Adam on the averaged gradients
+    params = [torch.nn.Parameter(p) for p in init_params()]
+    ref = torch.optim.Adam(params, lr=0.01, eps=1e-8)
+    for t in range(1, 4):
+        per_rank = [grads_of(r, t, [p.detach() for p in params]) for r in range(4)]
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                grads = [g[i] for g in per_rank]
+                avg = sum(grads) / 4 if grads[0] is not None else torch.zeros_like(p)
+                p.grad = avg
+        ref.step()
+    for r in range(4):
+        got = world[r]["adam_bc"][0][-1]
+        for a, b in zip(got[:-1], params[:-1]):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_hierarchical_two_nodes():
+    """2 nodes x 2 ranks: exact average inside the node, compressed across the nodes."""
+    results = run_ranks(_hier_body, 4, "gloo", hostnames=["a", "a", "b", "b"],
+                        env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, timeout=50)
+    numel, shards = 203, [102, 101]
+    sims = [SimAllreduce(2, length, None, torch.float32) for length in shards]
+    for call in range(CALLS):
+        x = [data(r, call, numel, torch.float32, seed=4) for r in range(4)]
+        node_means = [(x[0] + x[1]) / 2, (x[2] + x[3]) / 2]
+        parts, lo = [], 0
+        for sim, length in zip(sims, shards):
+            parts.append(sim([m[lo:lo + length] for m in node_means]))
+            lo += length
+        expected = torch.cat(parts)
+        for r in range(4):
+            torch.testing.assert_close(results[r][0][call], expected, **TOL[torch.float32])
+    for r in range(4):
+        assert results[r][2:] == (2, 2)
+        for a, b in zip(results[r][1], results[0][1]):
+            assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+# --- local checks (no processes) ------------------------------------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_pack_unpack_against_bits(dtype):
+    from onebit import compress, decompress, pack_signs, unpack_signs
+    for n in (1, 7, 8, 9, 64, 1001):
+        x = torch.randn(n).to(dtype)
+        x[::5] = 0.0                      # zero encodes as +1
+        packed = pack_signs(x)
+        assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
+        bits = [8 * k + i >= n or bool(x[8 * k + i] >= 0) for k in range(packed.numel())
+                for i in range(8)]
+        expected = [sum(1 << i for i in range(8) if bits[8 * k + i])
+                    for k in range(packed.numel())]
+        assert packed.tolist() == expected, n
+        assert torch.equal(unpack_signs(packed, n, dtype), torch.where(x >= 0, 1.0, -1.0).to(dtype))
+        lengths = [n] if n < 3 else [n // 3, n - n // 3]
+        p2, scales = compress(x, lengths)
+        assert torch.equal(p2, packed)
+        torch.testing.assert_close(decompress(p2, scales, lengths, dtype), sim_compress(x, lengths),
+                                   rtol=0, atol=0)
+        # the decompressed tensor keeps each segment's l2 norm
+        for seg, back in zip(torch.split(x, lengths), torch.split(sim_compress(x, lengths), lengths)):
+            assert math.isclose(float(seg.double().norm()), float(back.double().norm()),
+                                rel_tol=1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_bytes_and_error_compensation_single_process():
+    from onebit import ErrorFeedback, compressed_allreduce_, compressed_bytes
+    for n in (2, 3, 4, 8):
+        for numel in (1 << 18, 1 << 22):   # 1 MiB and 16 MiB of float32
+            ring = 2 * (n - 1) / n * 4 * numel
+            assert compressed_bytes(numel, n) * 25 <= ring, (n, numel)
+    # error compensation: the sum of outputs tracks the sum of inputs (telescoping errors)
+    n, numel = 3, 500
+    sim = SimAllreduce(n, numel, [200, 300], torch.float32)
+    total_in, total_out = torch.zeros(numel), torch.zeros(numel)
+    for call in range(40):
+        x = [data(r, call, numel, torch.float32, seed=9) for r in range(n)]
+        total_in += sum(x) / n
+        total_out += sim(x)
+        residual = sum(sim.worker) / n + sim.server
+        torch.testing.assert_close(total_out + residual, total_in, rtol=1e-4, atol=1e-3)
+        assert float((total_out - total_in).norm()) < 3 * float((sum(x) / n).norm())
+    # size 1 runs the same algorithm without communication; misuse is a clear error
+    class One:
+        rank, size = 0, 1
+
+        def alltoall(self, t, send, recv):
+            return t.clone()
+
+        def allgather(self, t, counts):
+            return t.clone()
+    errors, sim1 = ErrorFeedback(), SimAllreduce(1, 50, None, torch.float32)
+    for call in range(3):
+        x = data(0, call, 50, torch.float32)
+        torch.testing.assert_close(compressed_allreduce_(x, One(), errors), sim1([x.clone()]),
+                                   rtol=0, atol=0)
+    assert errors.bytes_sent == 0
+    with pytest.raises(ValueError, match="error state"):
+        compressed_allreduce_(torch.ones(51), One(), errors)
+
+
+def test_optimizer_arguments():
+    from onebit import OnebitAdam, OnebitLamb
+    p = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match="freeze_step"):
+        OnebitAdam(p, freeze_step=0)
+    with pytest.raises(ValueError, match="freeze_step"):
+        OnebitLamb(p, freeze_step=0)
+    with pytest.raises(TypeError, match="unexpected"):
+        OnebitLamb(p, max_cooeff=3.0)
+    OnebitLamb(p, deepspeed=None, cuda_aware=False, comm_backend_name="nccl")
