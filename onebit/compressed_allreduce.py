@@ -10,6 +10,10 @@ over the ranks of ``comm``, in three phases:
    error, recompresses (one scale per layer part of the chunk) and keeps the new server error;
 3. the packed chunks and their scales are all-gathered and decompressed everywhere.
 
+Each phase is one pass over cache-sized blocks (``compression.compensate_compress_``); the
+averaging divides the scales, not the values, by n; the error updates of a call are finished in
+the first pass of the next call (see ``ErrorFeedback``).
+
 The tensor is padded so that each chunk is a whole number of bytes; padding never enters a scale.
 Every rank ends with the same values.  ``ErrorFeedback`` holds one tensor's errors on one rank and
 counts the bytes this rank sends (each block counted once per receiving rank, as ring or direct
@@ -18,54 +22,74 @@ algorithms send them); compare with a float32 ring allreduce, ``2 (n-1)/n * 4 * 
 ``hierarchical_compressed_allreduce_`` averages inside each node at full precision first and
 compresses only across nodes (the papers' clusters did the same).
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from horovod_ext.backends.base import Communicator, ReduceOp, split_sizes
 from horovod_ext.backends.topology import Topology
 
-from .compression import decompress, pack_signs, scale_dtype, segment_scales
+from .compression import (Workspace, compensate_compress_, decompress_into, packed_bytes,
+                          scale_dtype, settle_error_)
 
 
 class ErrorFeedback:
     """Worker and server error of one tensor on this rank, plus the bytes this rank sent for it.
 
     The errors are created (zero) on the first call and must keep the same length and dtype;
-    ``state_dict()`` / ``load_state_dict()`` carry them (per rank) across checkpoints."""
+    ``state_dict()`` / ``load_state_dict()`` carry them (per rank) across checkpoints.  To save
+    a pass over the tensor, a call leaves the compensated tensor in the error buffer and the
+    update ``error -= scale * sign`` is done by the next call in the same pass that adds the new
+    input; reading ``worker`` or ``server`` finishes it first."""
 
     def __init__(self):
-        self.worker: Optional[torch.Tensor] = None
-        self.server: Optional[torch.Tensor] = None
+        self._worker: Optional[torch.Tensor] = None
+        self._server: Optional[torch.Tensor] = None
+        # deferred error updates: name -> (scales, segment lengths)
+        self._pending: Dict[str, Tuple[torch.Tensor, List[int]]] = {}
         self.bytes_sent = 0
         self.last_bytes_sent = 0
         self.calls = 0
-        self._workspace = {}
+        self.workspace = Workspace()   # scratch, reused from call to call (not saved)
 
-    def buffer(self, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """A reusable scratch tensor (not saved): fresh large allocations cost page faults
-        that take longer than the arithmetic."""
-        t = self._workspace.get(key)
-        if t is None or t.numel() < numel or t.dtype != dtype or t.device != torch.device(device):
-            t = self._workspace[key] = torch.empty(numel, dtype=dtype, device=device)
-        return t[:numel]
+    def _settle(self, which: str) -> Optional[torch.Tensor]:
+        error = getattr(self, "_" + which)
+        pending = self._pending.pop(which, None)
+        if pending is not None:
+            scales, lengths = pending
+            settle_error_(error[:sum(lengths)], scales, lengths, self.workspace)
+        return error
+
+    def _take(self, which: str) -> Optional[torch.Tensor]:
+        """The scales of the deferred update of ``which``, which the caller now applies."""
+        pending = self._pending.pop(which, None)
+        return None if pending is None else pending[0]
+
+    @property
+    def worker(self) -> Optional[torch.Tensor]:
+        return self._settle("worker")
+
+    @property
+    def server(self) -> Optional[torch.Tensor]:
+        return self._settle("server")
 
     def ensure(self, numel: int, chunk: int, dtype: torch.dtype, device) -> None:
-        if self.worker is not None:
-            if (self.worker.numel(), self.worker.dtype) != (numel, dtype):
-                raise ValueError(f"compressed allreduce: error state is for {self.worker.numel()} "
-                                 f"{self.worker.dtype} elements, got {numel} {dtype}; use one "
-                                 f"ErrorFeedback (one name) per tensor")
-            if self.server.numel() != chunk:
-                raise ValueError(f"compressed allreduce: server error has {self.server.numel()} "
-                                 f"elements, the chunk of this rank needs {chunk} (was the "
-                                 f"number of ranks changed?)")
+        if self._worker is not None:
+            if (self._worker.numel(), self._worker.dtype) != (numel, dtype):
+                raise ValueError(f"compressed allreduce: error state is for "
+                                 f"{self._worker.numel()} {self._worker.dtype} elements, got "
+                                 f"{numel} {dtype}; use one ErrorFeedback (one name) per tensor")
+            if self._server.numel() != chunk:
+                raise ValueError(f"compressed allreduce: server error has "
+                                 f"{self._server.numel()} elements, the chunk of this rank needs "
+                                 f"{chunk} (was the number of ranks changed?)")
             return
-        self.worker = torch.zeros(numel, dtype=dtype, device=device)
-        self.server = torch.zeros(chunk, dtype=dtype, device=device)
+        self._worker = torch.zeros(numel, dtype=dtype, device=device)
+        self._server = torch.zeros(chunk, dtype=dtype, device=device)
 
     def reset(self) -> None:
-        self.worker = self.server = None
+        self._worker = self._server = None
+        self._pending = {}
 
     def state_dict(self) -> dict:
         return {"worker": self.worker, "server": self.server, "bytes_sent": self.bytes_sent,
@@ -73,8 +97,10 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict) -> None:
         def copy(t):
-            return None if t is None else t.detach().clone()
-        self.worker, self.server = copy(state["worker"]), copy(state["server"])
+            # + 0.0 turns a -0.0 into +0.0, which the sign-bit packing needs (zero encodes +1)
+            return None if t is None else t.detach().clone().add_(0.0)
+        self._worker, self._server = copy(state["worker"]), copy(state["server"])
+        self._pending = {}
         self.bytes_sent, self.calls = int(state["bytes_sent"]), int(state["calls"])
 
 
@@ -133,46 +159,41 @@ def compressed_allreduce_(x: torch.Tensor, comm: Communicator, errors: ErrorFeed
     cbytes = chunk // 8
     errors.ensure(numel, chunk, dtype, x.device)
 
-    # Phase 1 (worker): compensate, compress, keep the error; signs all-to-all, scales all-gather.
-    device = x.device
-    mask = errors.buffer("mask", numel, torch.bool, device)
-    values = errors.buffer("values", numel, dtype, device)
-    compensated = errors.worker.add_(x)
-    scales = segment_scales(compensated, layer_lengths)
-    packed = torch.full((n * cbytes,), 0xFF, dtype=torch.uint8, device=device)
-    pack_signs(compensated, packed, mask)
-    errors.worker.sub_(decompress(packed, scales, layer_lengths, dtype, out=values))
+    # Phase 1 (worker): compensate, compress (the error update waits for the next call);
+    # signs all-to-all, scales all-gather.
+    ws, device = errors.workspace, x.device
+    packed = ws.get("send", n * cbytes, torch.uint8, device)
+    packed[packed_bytes(numel):].fill_(0xFF)
+    scales = compensate_compress_(errors._worker, layer_lengths, packed, ws,
+                                  pending=errors._take("worker"), dense=x)
+    errors._pending["worker"] = (scales, layer_lengths)
     received = comm.alltoall(packed, [cbytes] * n, [cbytes] * n).view(n, cbytes)
     all_scales = comm.allgather(scales, [len(layer_lengths)] * n).view(n, -1)
 
-    # Phase 2 (server): average the chunk this rank owns, compensate, recompress.
+    # Phase 2 (server): average the chunk this rank owns (1/n folded into the scales),
+    # compensate, recompress.
     pieces = [_pieces(bounds, k * chunk, min((k + 1) * chunk, numel)) for k in range(n)]
     mine = pieces[me]
     owned = sum(length for _, length in mine)
-    server_packed = torch.full((cbytes,), 0xFF, dtype=torch.uint8, device=x.device)
-    server_scales = torch.empty(0, dtype=sdtype, device=x.device)
+    server_packed = ws.get("server_packed", cbytes, torch.uint8, device)
+    server_packed[packed_bytes(owned):].fill_(0xFF)
+    server_scales = torch.empty(0, dtype=sdtype, device=device)
     if owned:
         piece_lengths = [length for _, length in mine]
-        layer_of = torch.tensor([i for i, _ in mine], device=x.device)
-        total = errors.buffer("total", owned, sdtype, device)
-        part = errors.buffer("part", owned, sdtype, device)
-        for j in range(n):  # in rank order, the same sum on every rank and in any simulation
-            decompress(received[j], all_scales[j].index_select(0, layer_of), piece_lengths,
-                       sdtype, out=total if j == 0 else part)
-            if j:
-                total.add_(part)
-        server = errors.server[:owned].add_(total.div_(n).to(dtype))
-        server_scales = segment_scales(server, piece_lengths)
-        pack_signs(server, server_packed, mask)
-        server.sub_(decompress(server_packed, server_scales, piece_lengths, dtype,
-                               out=values[:owned]))
+        layer_of = torch.tensor([i for i, _ in mine], device=device)
+        # summed in rank order, the same sum on every rank and in any simulation
+        parts = [(received[j], all_scales[j].index_select(0, layer_of)) for j in range(n)]
+        server_scales = compensate_compress_(errors._server[:owned], piece_lengths,
+                                             server_packed, ws, pending=errors._take("server"),
+                                             packed=parts, divisor=n)
+        errors._pending["server"] = (server_scales, piece_lengths)
 
     # Phase 3: every rank gets every chunk.
     gathered = comm.allgather(server_packed, [cbytes] * n)
     counts = [len(p) for p in pieces]
     gathered_scales = comm.allgather(server_scales, counts) if n > 1 else server_scales
     all_lengths = [length for p in pieces for _, length in p]
-    decompress(gathered, gathered_scales, all_lengths, dtype, out=x)
+    decompress_into(gathered, gathered_scales, all_lengths, x, ws)
 
     sent = (n - 1) * (2 * cbytes + (len(layer_lengths) + len(mine)) * itemsize)
     errors.last_bytes_sent = sent

@@ -32,14 +32,17 @@ def data(rank, call, numel, dtype, seed=0):
 
 
 # --- the reference: n workers and servers in one process ------------------------------------
+def sim_scales(x, lengths):
+    """||s|| / sqrt(len s) per segment s, rounded to x's dtype, as float32 (float64)."""
+    sd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return [(s.double().norm() / math.sqrt(len(s))).to(x.dtype).to(sd)
+            for s in torch.split(x, lengths)]
+
+
 def sim_compress(x, lengths):
     """sign(x) * ||s|| / sqrt(len s) per segment s, scales rounded to x's dtype."""
-    sd = torch.float64 if x.dtype == torch.float64 else torch.float32
-    out = []
-    for s in torch.split(x, lengths):
-        scale = torch.linalg.vector_norm(s, dtype=sd) / torch.tensor(len(s), dtype=sd).sqrt()
-        out.append(torch.where(s >= 0, 1.0, -1.0).to(x.dtype) * scale.to(x.dtype))
-    return torch.cat(out)
+    return torch.cat([torch.where(s >= 0, 1.0, -1.0).to(x.dtype) * scale.to(x.dtype)
+                      for s, scale in zip(torch.split(x, lengths), sim_scales(x, lengths))])
 
 
 class SimAllreduce:
@@ -64,21 +67,25 @@ class SimAllreduce:
 
     def __call__(self, inputs):
         n, sd = self.n, torch.float64 if self.dtype == torch.float64 else torch.float32
-        sent = []
+        sent, signs, scaled = [], [], []
         for r in range(n):
             c = self.worker[r] + inputs[r]
             sent.append(sim_compress(c, self.lengths))
             self.worker[r] = c - sent[r]
+            # what a server rebuilds: sign * (scale / n) in float32 (float64), 1/n in the scale
+            signs.append(torch.where(c >= 0, 1.0, -1.0).to(sd))
+            scaled.append(torch.cat([(scale / n).expand(length) for scale, length in
+                                     zip(sim_scales(c, self.lengths), self.lengths)]))
         out = torch.empty(self.numel, dtype=self.dtype)
         for k in range(n):
             lo, hi = k * self.chunk, min((k + 1) * self.chunk, self.numel)
             pieces = self.pieces(lo, hi) if lo < hi else []
             if pieces:
                 total = None
-                for r in range(n):  # the server rebuilds sign * scale in float32 (float64)
-                    part = sent[r][lo:hi].to(sd)
+                for r in range(n):  # in rank order
+                    part = signs[r][lo:hi] * scaled[r][lo:hi]
                     total = part if total is None else total + part
-                s = self.server[lo:hi] + (total / n).to(self.dtype)
+                s = self.server[lo:hi] + total.to(self.dtype)
                 out[lo:hi] = sim_compress(s, pieces)
                 self.server[lo:hi] = s - out[lo:hi]
             item = 8 if self.dtype == torch.float64 else 4
@@ -415,24 +422,30 @@ def test_hierarchical_two_nodes():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_pack_unpack_against_bits(dtype):
     from onebit import compress, decompress, pack_signs, unpack_signs
-    for n in (1, 7, 8, 9, 64, 1001):
-        x = torch.randn(n).to(dtype)
+    from onebit.compression import BLOCK
+    # several cache blocks, segments crossing block boundaries and starting mid-byte
+    for n in (1, 7, 8, 9, 64, 1001, 2 * BLOCK + 13):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
         x[::5] = 0.0                      # zero encodes as +1
+        x[3::7] = -0.0                    # so does -0.0
         packed = pack_signs(x)
         assert packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8
-        bits = [8 * k + i >= n or bool(x[8 * k + i] >= 0) for k in range(packed.numel())
-                for i in range(8)]
-        expected = [sum(1 << i for i in range(8) if bits[8 * k + i])
-                    for k in range(packed.numel())]
-        assert packed.tolist() == expected, n
+        flags = torch.ones(8 * packed.numel(), dtype=torch.int64)
+        flags[:n] = (x >= 0).long()
+        expected = (flags.view(-1, 8) << torch.arange(8)).sum(1)
+        assert torch.equal(packed.long(), expected), n
         assert torch.equal(unpack_signs(packed, n, dtype), torch.where(x >= 0, 1.0, -1.0).to(dtype))
-        lengths = [n] if n < 3 else [n // 3, n - n // 3]
+        lengths = [n] if n < 3 else [n // 3, n - n // 3 - n // 5, n // 5]
         p2, scales = compress(x, lengths)
         assert torch.equal(p2, packed)
-        torch.testing.assert_close(decompress(p2, scales, lengths, dtype), sim_compress(x, lengths),
-                                   rtol=0, atol=0)
+        reference = sim_compress(x, lengths)
+        torch.testing.assert_close(decompress(p2, scales, lengths, dtype), reference, **TOL[dtype])
+        # what the scales decompress to is exactly sign * scale
+        signs = torch.where(x >= 0, 1.0, -1.0).to(dtype)
+        per_elem = torch.cat([s.to(dtype).expand(k) for s, k in zip(scales, lengths)])
+        assert torch.equal(decompress(p2, scales, lengths, dtype), signs * per_elem)
         # the decompressed tensor keeps each segment's l2 norm
-        for seg, back in zip(torch.split(x, lengths), torch.split(sim_compress(x, lengths), lengths)):
+        for seg, back in zip(torch.split(x, lengths), torch.split(reference, lengths)):
             assert math.isclose(float(seg.double().norm()), float(back.double().norm()),
                                 rel_tol=1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6)
 
