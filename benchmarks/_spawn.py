@@ -139,6 +139,15 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
         os.unlink(result)
 
 
+def human(n) -> str:
+    """A byte count as 4 KiB, 16 MiB, ..."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} TiB"
+
+
 def write_report(path: str, report) -> None:
     """Write a benchmark's JSON report and say where."""
     import json

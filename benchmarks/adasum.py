@@ -55,14 +55,6 @@ def worker(args):
     hvd.shutdown()
 
 
-def human(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:g} {unit}"
-        n /= 1024
-    return f"{n:g} TiB"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -90,7 +82,7 @@ def main():
             rows = _spawn.run_collect(kind, argv, np)["rows"]
             for r in rows:
                 r["ratio"] = r["adasum_us"] / r["sum_us"]
-                print(f"{kind:<9} {np:>3} {human(r['size']):>9} {r['sum_us']:>10.1f} "
+                print(f"{kind:<9} {np:>3} {_spawn.human(r['size']):>9} {r['sum_us']:>10.1f} "
                       f"{r['adasum_us']:>10.1f} {r['ratio']:>7.2f}", flush=True)
             report["runs"].append({"transport": kind, "np": np, "rows": rows})
     _spawn.write_report(args.out, report)

@@ -89,14 +89,6 @@ def worker(args):
     hvd.shutdown()
 
 
-def human(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:g} {unit}"
-        n /= 1024
-    return f"{n:g} TiB"
-
-
 def launch(kind, np, sizes, seconds, rounds, env=None, hosts=None, only_hvd=False):
     argv = [os.path.abspath(__file__), "--worker", "--seconds", str(seconds),
             "--rounds", str(rounds), "--sizes", ",".join(map(str, sizes))]
@@ -139,7 +131,7 @@ def main():
         for r in rows:
             r["overhead_pct"] = 100.0 * (r["hvd_us"] / r["raw_us"] - 1.0)
             r["x8_overhead_pct"] = 100.0 * (r["hvd_x8_us"] / r["raw_us"] - 1.0)
-            print(f"{kind:<9} {human(r['size']):>9} {r['raw_us']:>10.1f} {r['hvd_us']:>10.1f} "
+            print(f"{kind:<9} {_spawn.human(r['size']):>9} {r['raw_us']:>10.1f} {r['hvd_us']:>10.1f} "
                   f"{r['overhead_pct']:>8.1f}% {r['hvd_copy_us']:>10.1f} "
                   f"{r['hvd_x8_us']:>10.1f} {r['x8_overhead_pct']:>8.1f}%", flush=True)
     if args.lab:
@@ -156,7 +148,7 @@ def main():
         for f, h in zip(flat, hier):
             row = {"size": f["size"], "flat_ms": f["hvd_us"] / 1e3, "hier_ms": h["hvd_us"] / 1e3}
             report["lab"]["rows"].append(row)
-            print(f"{human(f['size']):>9} {row['flat_ms']:>9.2f} {row['hier_ms']:>9.2f} "
+            print(f"{_spawn.human(f['size']):>9} {row['flat_ms']:>9.2f} {row['hier_ms']:>9.2f} "
                   f"{row['flat_ms'] / row['hier_ms']:>8.2f}x", flush=True)
     _spawn.write_report(args.out, report)
 

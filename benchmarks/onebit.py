@@ -101,10 +101,6 @@ def pack_speed(sizes, reps=7):
     return rows
 
 
-def human(n):
-    return f"{n / MIB:g} MiB" if n >= MIB else f"{n / 1024:g} KiB"
-
-
 def launch(kind, np, sizes, calls, hosts=None):
     argv = [os.path.abspath(__file__), "--worker", "--calls", str(calls),
             "--sizes", ",".join(map(str, sizes))]
@@ -113,7 +109,7 @@ def launch(kind, np, sizes, calls, hosts=None):
 
 def print_rows(label, rows):
     for r in rows:
-        print(f"{label:<14} {human(r['size']):>8} {r['sum_ms']:>10.1f} {r['onebit_ms']:>10.1f} "
+        print(f"{label:<14} {_spawn.human(r['size']):>8} {r['sum_ms']:>10.1f} {r['onebit_ms']:>10.1f} "
               f"{r['sum_ms'] / r['onebit_ms']:>8.2f}x {r['bytes_sent']:>12d} "
               f"{r['ring_bytes'] / r['bytes_sent']:>8.1f}x", flush=True)
 
@@ -148,7 +144,7 @@ def main():
         print("compress (scale + signs) and decompress, float32 input, one thread")
         print(f"{'size':>8} {'compress ms':>12} {'decompress ms':>14} {'GB/s both':>10}")
         for r in report["pack"]:
-            print(f"{human(r['size']):>8} {r['compress_ms']:>12.2f} {r['decompress_ms']:>14.2f} "
+            print(f"{_spawn.human(r['size']):>8} {r['compress_ms']:>12.2f} {r['decompress_ms']:>14.2f} "
                   f"{r['both_gbs']:>10.2f}", flush=True)
         print("\nloopback; times are medians of allreduce_ calls (input copy subtracted); bytes: "
               "sent per rank per call,\n'fewer': float32 ring allreduce bytes / 1-bit bytes")
