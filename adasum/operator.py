@@ -16,6 +16,8 @@ from typing import List, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from horovod_ext.backends.scratch import Workspace
+
 # Elements converted to float64 at a time: two rows of this fit in L2 comfortably.
 CHUNK = 1 << 16
 
@@ -93,17 +95,12 @@ def plan(segments: Sequence[Segment]) -> List[Union[Segment, Run]]:
     return items
 
 
-_SCRATCH = {}
+WORKSPACE = Workspace()
 
 
 def _scratch(device, rows: int) -> torch.Tensor:
-    """A (rows, CHUNK) float64 work area per device, kept: fresh allocations of this size are
-    fresh pages, which cost more than the arithmetic done in them."""
-    key = (str(device), rows)
-    buf = _SCRATCH.get(key)
-    if buf is None:
-        buf = _SCRATCH[key] = torch.empty(rows, CHUNK, dtype=torch.float64, device=device)
-    return buf
+    """A (rows, CHUNK) float64 work area, reused from call to call."""
+    return WORKSPACE.get("dots", rows * CHUNK, torch.float64, device).view(rows, CHUNK)
 
 
 def _segment_sums(values: torch.Tensor, run: "Run") -> torch.Tensor:

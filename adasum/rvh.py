@@ -16,13 +16,13 @@ hierarchical caller can run the tree over nodes in node order whatever the commu
 order; ``extra_reduce`` sums the partial products once more (over the local ranks that hold the
 other shards of the same vectors, in the hierarchical variant).
 """
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
 from horovod_ext.backends.base import Communicator
 
-from .operator import LayerMap, coefficients, combine_, partial_dots
+from .operator import WORKSPACE, LayerMap, coefficients, combine_, partial_dots
 
 DotsReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -46,19 +46,6 @@ def _sum_over_groups(comm: Communicator, dots: Optional[torch.Tensor], me: int, 
         table[me // span] = dots
     comm.allreduce(table)
     return table[me // span] if dots is not None else table[0]
-
-
-def _scratch(like: torch.Tensor, numel: int, store: Dict) -> torch.Tensor:
-    """A reusable receive buffer: fresh large allocations cost page faults on every call."""
-    key = (like.dtype, like.device)
-    buf = store.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-        store[key] = buf
-    return buf[:numel]
-
-
-_SCRATCH: Dict = {}
 
 
 def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: Communicator,
@@ -88,7 +75,7 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
         _swap(comm, None, x, order[me - p])
         return x
     if me + p < n:
-        other = _scratch(x, x.numel(), _SCRATCH)
+        other = WORKSPACE.get("received", x.numel(), x.dtype, x.device)
         _swap(comm, None, other, order[me + p])
         segments = layers.segments(offset, offset + x.numel())
         dots = reduce_dots(partial_dots(x, other, segments, layers.count))
@@ -122,12 +109,12 @@ def _rvh(x, layers: LayerMap, comm: Communicator, order, p: int, me: int,
         nghr = order[me + d] if left else order[me - d]
         if left:  # keep [lo, mid): a is mine, b comes from the right neighbour
             mine = x[lo:mid]
-            theirs = _scratch(x, mid - lo, _SCRATCH)
+            theirs = WORKSPACE.get("received", mid - lo, x.dtype, x.device)
             _swap(comm, x[mid:hi], theirs, nghr)
             a, b, new = mine, theirs, (lo, mid)
         else:     # keep [mid, hi): a comes from the left neighbour, b is mine
             mine = x[mid:hi]
-            theirs = _scratch(x, hi - mid, _SCRATCH)
+            theirs = WORKSPACE.get("received", hi - mid, x.dtype, x.device)
             _swap(comm, x[lo:mid], theirs, nghr)
             a, b, new = theirs, mine, (mid, hi)
         segments = layers.segments(offset + new[0], offset + new[1])

@@ -139,6 +139,21 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
         os.unlink(result)
 
 
+def parser(doc: str, out_name: str, sizes=None):
+    """The options every benchmark has: the hidden worker ones, --quick, --out (JSON under
+    benchmarks/results/ by default) and, given default ``sizes``, --sizes."""
+    import argparse
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    if sizes is not None:
+        p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=sizes,
+                       help="bytes, comma separated")
+    p.add_argument("--quick", action="store_true", help="a reduced run")
+    p.add_argument("--out", default=os.path.join(HERE, "results", out_name))
+    return p
+
+
 def human(n) -> str:
     """A byte count as 4 KiB, 16 MiB, ..."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -7,7 +7,6 @@ Both ops reduce the same float32 buffer in place (hvd.allreduce_), taking turns 
 that drift on a shared machine hits both alike; the table gives medians and the ratio
 Adasum / Sum.  JSON goes to ``--out``.
 """
-import argparse
 import os
 import statistics
 import sys
@@ -56,16 +55,10 @@ def worker(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    p = _spawn.parser(__doc__, "adasum.json", SIZES)
     p.add_argument("--nps", default="2,4")
     p.add_argument("--backends", default="mpi,gloo")
     p.add_argument("--seconds", type=float, default=1.5, help="time budget per size")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "adasum.json"))
     args = p.parse_args()
     if args.worker:
         return worker(args)

@@ -98,11 +98,8 @@ def launch(kind, np, sizes, seconds, rounds, env=None, hosts=None, only_hvd=Fals
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p = _spawn.parser(__doc__, "allreduce.json", SIZES)
     p.add_argument("--only-hvd", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--backends", default="gloo,mpi")
     p.add_argument("--seconds", type=float, default=2.0, help="time budget per size and method")
@@ -110,9 +107,6 @@ def main():
     p.add_argument("--lab", action="store_true",
                    help="also flat vs hierarchical on 2 emulated hosts x 2 ranks (needs root)")
     p.add_argument("--lab-rate", default="1gbit")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "allreduce.json"))
     args = p.parse_args()
     if args.worker:
         return worker(args)

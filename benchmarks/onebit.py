@@ -10,7 +10,6 @@ in the compressed allreduce (hvd.OneBit.bytes_sent) against a float32 ring allre
 2 (n-1)/n * 4 * numel.  Pack/unpack: compress (scale + signs) and decompress of float32 input on
 one thread, in GB/s of input.
 """
-import argparse
 import json
 import os
 import statistics
@@ -119,19 +118,13 @@ HEADER = (f"{'run':<14} {'size':>8} {'sum ms':>10} {'1-bit ms':>10} {'speed-up':
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    p = _spawn.parser(__doc__, "onebit.json", SIZES)
     p.add_argument("--nps", default="2,4")
     p.add_argument("--backends", default="gloo,mpi")
     p.add_argument("--calls", type=int, default=6, help="timed calls per op at 64 MiB")
     p.add_argument("--lab", action="store_true", help="also 2 emulated hosts x 1 rank (root)")
     p.add_argument("--lab-only", action="store_true", help="only the lab runs")
     p.add_argument("--lab-rate", default="1gbit")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "onebit.json"))
     args = p.parse_args()
     if args.worker:
         return worker(args)

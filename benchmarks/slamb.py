@@ -17,7 +17,6 @@ the payload each rank puts into allreduces per step across ranks (hierarchical: 
 where each rank of a node sends its share; SLAMB's in-node gradient average is not counted).  In the lab, np = 4 is 2 hosts x 2 ranks
 with hierarchical allreduce for every method.  Prints a table and writes JSON (``--out``).
 """
-import argparse
 import os
 import statistics
 import sys
@@ -143,9 +142,7 @@ def print_table(title, summary):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p = _spawn.parser(__doc__, "slamb.json")
     p.add_argument("--methods", default="compute,lamb,slamb_0.1,slamb_0.01")
     p.add_argument("--nps", default="2,4")
     p.add_argument("--backends", default="gloo", help="loopback transports (gloo,mpi)")
@@ -155,9 +152,7 @@ def main():
     p.add_argument("--interval", type=int, default=100, help="SLAMB's H")
     p.add_argument("--no-lab", action="store_true")
     p.add_argument("--lab-rate", default="1gbit")
-    p.add_argument("--quick", action="store_true")
     p.add_argument("--show", metavar="JSON", help="print the tables of an earlier report")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "slamb.json"))
     args = p.parse_args()
     if args.worker:
         return worker(args)

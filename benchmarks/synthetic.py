@@ -8,7 +8,6 @@ steps after warm-up.  Both methods run inside the same ranks (Gloo), taking turn
 machine drift hits both.  Prints a table (samples/s over all ranks, and scaling efficiency
 against np=1) and writes JSON.
 """
-import argparse
 import json
 import os
 import statistics
@@ -100,18 +99,13 @@ def worker(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    p = _spawn.parser(__doc__, "synthetic.json")
     p.add_argument("--np", default="1,2,4")
     p.add_argument("--models", default="mlp,transformer")
     p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "synthetic.json"))
     args = p.parse_args()
     args.models = args.models.split(",") if isinstance(args.models, str) else args.models
     if args.worker:

@@ -3,10 +3,11 @@
 One persistent buffer per (dtype, device), grown on demand and reused every cycle: fresh large
 allocations cost page faults (a 16 MiB clone takes ~3 ms here, as long as the transfer).
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 
+from .backends.scratch import Workspace
 from .ops import Layer
 
 
@@ -20,17 +21,12 @@ def layers_of(tensors: Sequence[torch.Tensor], names: Optional[Sequence[str]] = 
 
 class FusionBuffers:
     def __init__(self):
-        self._buffers: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._workspace = Workspace()
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """A flat view of the persistent buffer holding ``tensors`` back to back."""
         first = tensors[0]
-        total = sum(t.numel() for t in tensors)
-        key = (first.dtype, first.device)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < total:
-            buf = torch.empty(total, dtype=first.dtype, device=first.device)
-            self._buffers[key] = buf
-        view = buf[:total]
+        view = self._workspace.get("fusion", sum(t.numel() for t in tensors), first.dtype,
+                                   first.device)
         torch.cat([t.detach().reshape(-1) for t in tensors], out=view)
         return view

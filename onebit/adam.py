@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from horovod_ext.backends.lamb import update_moments_
+from horovod_ext.backends.lamb import lamb_update, update_moments_
 
 from ._base import OnebitOptimizer
 
@@ -109,17 +109,9 @@ class OnebitAdam(OnebitOptimizer):
         """p -= lr * (m^ / (sqrt(v^) + eps) + weight_decay * p); the variance's bias correction
         uses the step it was last updated at (the freeze step after the warm-up)."""
         beta1, beta2 = group["betas"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        if group["bias_correction"]:
-            m = m / (1.0 - beta1 ** t)
-            v = v / (1.0 - beta2 ** variance_step)
-        if group["eps_inside_sqrt"]:
-            denom = (v + group["eps"]).sqrt_()
-        else:
-            denom = v.sqrt().add_(group["eps"])
-        update = m / denom
-        if group["weight_decay"] > 0.0:
-            update.add_(p, alpha=group["weight_decay"])
+        update = lamb_update(p, state["exp_avg"], state["exp_avg_sq"], t, beta1, beta2,
+                             group["eps"], group["weight_decay"], group["bias_correction"],
+                             group["eps_inside_sqrt"], variance_step)
         p.add_(update, alpha=-group["lr"])
 
     def _warmup_ends(self, t: int) -> bool:

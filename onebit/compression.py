@@ -23,6 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from horovod_ext.backends.scratch import Workspace as SharedWorkspace
+
 # Flags f_i (0/1) at bits 8i of a word; times this constant, f_i lands on bit 56 + i and no two
 # partial products share a bit, so the top byte is sum f_i 2^i (the product wraps mod 2^64).
 _GATHER = 0x0102040810204080
@@ -54,22 +56,12 @@ def sign_table(dtype: torch.dtype, device) -> torch.Tensor:
     return table
 
 
-class Workspace:
-    """Reusable scratch tensors: fresh large allocations cost page faults that take longer than
-    the arithmetic."""
+class Workspace(SharedWorkspace):
+    """Scratch tensors (reused, see horovod_ext.backends.scratch) plus cached block plans."""
 
     def __init__(self):
-        self._tensors: Dict[tuple, torch.Tensor] = {}
+        super().__init__()
         self.plans: Dict[tuple, "Plan"] = {}
-
-    def get(self, key: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        if not isinstance(device, torch.device):
-            device = torch.device(device)
-        t = self._tensors.get((key, dtype, device))
-        if t is None or t.numel() < numel:
-            t = self._tensors[(key, dtype, device)] = torch.empty(numel, dtype=dtype,
-                                                                  device=device)
-        return t[:numel]
 
     def plan(self, numel: int, lengths: Sequence[int], device) -> "Plan":
         block = BLOCK if torch.device(device).type == "cpu" else max(8, numel)

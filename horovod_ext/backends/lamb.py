@@ -58,9 +58,13 @@ def update_moments_(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch
 
 def adam_direction(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta1: float,
                    beta2: float, eps: float, bias_correction: bool = True,
-                   eps_inside_sqrt: bool = False) -> torch.Tensor:
-    """m^ / (sqrt(v^) + eps) (or m^ / sqrt(v^ + eps)) as a new tensor."""
-    bc1, bc2 = bias_corrections(step, beta1, beta2, bias_correction)
+                   eps_inside_sqrt: bool = False,
+                   variance_step: Optional[int] = None) -> torch.Tensor:
+    """m^ / (sqrt(v^) + eps) (or m^ / sqrt(v^ + eps)) as a new tensor.  ``variance_step``: the
+    step v was last updated at, when it lags (1-bit Adam freezes v), for its bias correction."""
+    bc1, _ = bias_corrections(step, beta1, beta2, bias_correction)
+    _, bc2 = bias_corrections(step if variance_step is None else variance_step, beta1, beta2,
+                              bias_correction)
     v_hat = exp_avg_sq / bc2
     denom = (v_hat + eps).sqrt_() if eps_inside_sqrt else v_hat.sqrt_().add_(eps)
     return (exp_avg / bc1).div_(denom)
@@ -68,11 +72,12 @@ def adam_direction(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, b
 
 def lamb_update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
                 beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
-                bias_correction: bool = True, eps_inside_sqrt: bool = False) -> torch.Tensor:
-    """LAMB's update direction u (before the trust ratio), weight decay included.  The moments
-    must already hold step ``step``."""
+                bias_correction: bool = True, eps_inside_sqrt: bool = False,
+                variance_step: Optional[int] = None) -> torch.Tensor:
+    """LAMB's update direction u (before the trust ratio), weight decay included; also Adam's
+    (AdamW-style) step direction.  The moments must already hold step ``step``."""
     u = adam_direction(exp_avg, exp_avg_sq, step, beta1, beta2, eps, bias_correction,
-                       eps_inside_sqrt)
+                       eps_inside_sqrt, variance_step)
     if weight_decay != 0.0:
         u.add_(param, alpha=weight_decay)
     return u

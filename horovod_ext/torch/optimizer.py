@@ -216,9 +216,9 @@ class _DistributedMixin:
             if not torch.isfinite(g).all():
                 bad.fill_(1.0)
                 break
-        handle = grouped_allreduce_async_([bad], name="DistributedOptimizer.finite",
-                                          op="max", process_set=h["process_set"])
-        if float(_wait(handle)[0]) and grads:
+        handle = allreduce_async_(bad, name="DistributedOptimizer.finite", op="max",
+                                  process_set=h["process_set"])
+        if float(_wait(handle)) and grads:
             grads[0].view(-1)[0] = float("inf")
 
     def _hvd_delta_step(self, closure):
