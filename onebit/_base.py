@@ -69,6 +69,26 @@ class OnebitOptimizer(torch.optim.Optimizer):
     def _all_params(self) -> List[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
+    def _begin_step(self, closure):
+        """Evaluate ``closure`` (with gradients on), build the fused momenta if needed, count
+        the step: (loss, fused buffers, step number from 1)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        fused = self._fuse()
+        self.onebit_state["step"] += 1
+        return loss, fused, self.onebit_state["step"]
+
+    def _groups(self):
+        """(param group, parameter) for every parameter, in param_groups order."""
+        return [(g, p) for g in self.param_groups for p in g["params"]]
+
+    def _averaged_grads_by_param(self, fused) -> Dict[int, torch.Tensor]:
+        """id(parameter) -> its gradient averaged over ranks at full precision (warm-up)."""
+        return {id(p): g for f, views in zip(fused, self._averaged_grads(fused))
+                for p, g in zip(f.params, views)}
+
     def _fuse(self) -> List[_Fused]:
         """Build the flat momentum buffers (first step, or after load_state_dict)."""
         if self._fused is not None:

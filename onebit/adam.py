@@ -66,43 +66,27 @@ class OnebitAdam(OnebitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        fused = self._fuse()
+        loss, fused, t = self._begin_step(closure)
         st = self.onebit_state
-        st["step"] += 1
-        t = st["step"]
         if not st["frozen"]:
-            grads = self._averaged_grads(fused)
-            for f, views in zip(fused, grads):
-                for p, g in zip(f.params, views):
-                    group = self._group_of(p)
-                    state = self.state[p]
-                    update_moments_(state["exp_avg"], state["exp_avg_sq"], g, *group["betas"])
-                    self._apply(p, group, state, t, t)
+            grads = self._averaged_grads_by_param(fused)
+            for group, p in self._groups():
+                state = self.state[p]
+                update_moments_(state["exp_avg"], state["exp_avg_sq"], grads[id(p)],
+                                *group["betas"])
+                self._apply(p, group, state, t, t)
             if self._warmup_ends(t):
                 st["frozen"], st["freeze_at"] = True, t
             return loss
-        for f in fused:
-            for p in f.params:
-                beta1 = self._group_of(p)["betas"][0]
-                self.state[p]["exp_avg"].mul_(beta1).add_(self._local_grad(p), alpha=1 - beta1)
+        for group, p in self._groups():
+            beta1 = group["betas"][0]
+            self.state[p]["exp_avg"].mul_(beta1).add_(self._local_grad(p), alpha=1 - beta1)
         self._compress_momentum(fused, per_layer_scales=True)
-        for f in fused:
-            for p in f.params:
-                group, state = self._group_of(p), self.state[p]
-                self._apply_mask(group, p, state["exp_avg"])
-                self._apply(p, group, state, t, st["freeze_at"])
+        for group, p in self._groups():
+            state = self.state[p]
+            self._apply_mask(group, p, state["exp_avg"])
+            self._apply(p, group, state, t, st["freeze_at"])
         return loss
-
-    def _group_of(self, p):
-        groups = getattr(self, "_groups_by_param", None)
-        if groups is None or len(groups) != len(self._all_params()):
-            groups = self._groups_by_param = {id(q): g for g in self.param_groups
-                                              for q in g["params"]}
-        return groups[id(p)]
 
     @staticmethod
     def _apply(p, group, state, t, variance_step):

@@ -72,22 +72,11 @@ class OnebitLamb(OnebitOptimizer):
         if "lamb_coeff_avg" not in state:
             state["lamb_coeff_avg"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
-    def _groups(self):
-        return [(g, p) for g in self.param_groups for p in g["params"]]
-
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        fused = self._fuse()
-        st = self.onebit_state
-        st["step"] += 1
-        t = st["step"]
-        if not st["frozen"]:
-            grads = dict((id(p), g) for f, views in zip(fused, self._averaged_grads(fused))
-                         for p, g in zip(f.params, views))
+        loss, fused, t = self._begin_step(closure)
+        if not self.onebit_state["frozen"]:
+            grads = self._averaged_grads_by_param(fused)
             for group, p in self._groups():
                 self._warmup_step(group, p, grads[id(p)], t)
             if t >= self.freeze_step:
