@@ -1,5 +1,5 @@
 """Packaging for horovod_ext: a Horovod-style data-parallel training framework for PyTorch."""
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="horovod_ext",
@@ -18,5 +18,9 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn"],
         "examples": ["scikit-learn", "matplotlib"],
     },
+    # Optional C kernels (plain C, loaded with ctypes): without a compiler the build skips them and
+    # the torch code runs instead.
+    ext_modules=[Extension("adasum._kernels", ["adasum/_kernels.c"], optional=True,
+                           extra_compile_args=["-O3", "-ffp-contract=off"])],
     entry_points={"console_scripts": ["hvdrun = launch.run:main"]},
 )

@@ -1,7 +1,8 @@
 """Adasum (Maleki et al., "Scaling Distributed Training with Adaptive Summation").
 
 ``operator``: the per-layer Adasum operator with float64 dot products; ``rvh``: recursive
-vector-halving over any number of ranks of a communicator (paper Algorithm 1).  Written against
+vector-halving over any number of ranks of a communicator (paper Algorithm 1); ``gather``: the
+same tree for small messages, in one collective.  Written against
 ``horovod_ext.backends.Communicator`` only; the registry op ``hvd.Adasum`` wraps it.
 """
 from .operator import LayerMap, adasum_pair_

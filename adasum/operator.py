@@ -5,17 +5,21 @@ separately.  In recursive vector-halving a rank holds only a piece of each logic
 work is split in two: ``partial_dots`` gives a piece's share of [a.b, a.a, b.b] for every layer it
 touches (summed over ranks by the caller), ``combine_`` applies the coefficients that follow.
 
-Dot products and norms accumulate in float64 whatever the input dtype: slices are converted
-chunk by chunk into a small float64 scratch (cache-sized, reused) rather than as whole copies,
-which would cost a fresh allocation of twice the data.
+Dot products and norms accumulate in float64 whatever the input dtype.  float32 and float64 on
+the CPU go through C kernels (``_kernels.c``, one call per piece, one pass over the data); the
+torch code below is used otherwise (float16, bfloat16, GPU tensors, or no compiler at install):
+it converts slices chunk by chunk into a small float64 scratch (cache-sized, reused) rather than
+as whole copies, which would cost a fresh allocation of twice the data.
 """
-import bisect
+import ctypes
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
+from horovod_ext.backends import native
 from horovod_ext.backends.scratch import Workspace
 
 # Elements converted to float64 at a time: two rows of this fit in L2 comfortably.
@@ -30,28 +34,70 @@ class Segment:
     end: int
 
 
+class Piece:
+    """The layers overlapping one range of a buffer: a (segments, 3) int64 table of
+    [start, length, layer] relative to the range start, as the C kernels take it."""
+
+    def __init__(self, table: np.ndarray, layer_count: int):
+        self.table = np.ascontiguousarray(table, dtype=np.int64)
+        self.layer_count = layer_count
+
+    @cached_property
+    def segments(self) -> List[Segment]:
+        return [Segment(int(layer), int(start), int(start + n)) for start, n, layer in self.table]
+
+    @cached_property
+    def items(self) -> List[Union[Segment, "Run"]]:
+        return plan(self.segments)
+
+
 class LayerMap:
     """Layer boundaries of a flat buffer, as sorted offsets, for slicing pieces quickly."""
 
     def __init__(self, bounds: Sequence[Tuple[int, int]]):
         """``bounds``: (offset, numel) per layer, in buffer order, back to back or with gaps."""
-        self.offsets = [int(o) for o, _ in bounds]
-        self.ends = [int(o) + int(n) for o, n in bounds]
+        table = np.asarray(bounds, dtype=np.int64).reshape(-1, 2)
+        self.offsets = table[:, 0]
+        self.ends = table[:, 0] + table[:, 1]
+        self._pieces = {}
 
     @property
     def count(self) -> int:
         return len(self.offsets)
 
+    def piece(self, lo: int, hi: int) -> Piece:
+        """The layers overlapping buffer range [lo, hi) (kept: the same ranges recur each step)."""
+        found = self._pieces.get((lo, hi))
+        if found is None:
+            starts = np.maximum(self.offsets, lo)
+            ends = np.minimum(self.ends, hi)
+            keep = np.nonzero(ends > starts)[0]
+            table = np.stack([starts[keep] - lo, ends[keep] - starts[keep], keep], axis=1)
+            found = self._pieces[(lo, hi)] = Piece(table, self.count)
+        return found
+
     def segments(self, lo: int, hi: int) -> List[Segment]:
         """The layers overlapping buffer range [lo, hi), as segments relative to ``lo``."""
-        out = []
-        i = max(0, bisect.bisect_right(self.offsets, lo) - 1)
-        while i < len(self.offsets) and self.offsets[i] < hi:
-            s, e = max(self.offsets[i], lo), min(self.ends[i], hi)
-            if e > s:
-                out.append(Segment(i, s - lo, e - lo))
-            i += 1
-        return out
+        return self.piece(lo, hi).segments
+
+
+_SEGMENTS_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_void_p)
+_LIB = native.load("adasum._kernels", {
+    **{f"hx_adasum_{what}_{t}": _SEGMENTS_ARGS for what in ("dots", "combine") for t in ("f32", "f64")},
+    "hx_adasum_weights": (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)})
+_KERNELS = {} if _LIB is None else {
+    (what, dtype): getattr(_LIB, f"hx_adasum_{what}_{suffix}")
+    for what in ("dots", "combine")
+    for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64"))}
+
+
+def _kernel(what: str, a: torch.Tensor, b: torch.Tensor):
+    """The C kernel for these tensors, or None where the torch code must run."""
+    kernel = _KERNELS.get((what, a.dtype))
+    if kernel is None or a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
+        return None
+    return kernel
 
 
 # Segments shorter than this are handled together, a run of neighbours at a time, with a few
@@ -111,17 +157,21 @@ def _segment_sums(values: torch.Tensor, run: "Run") -> torch.Tensor:
     return torch.segment_reduce(values, "sum", lengths=run.lengths.to(values.device), axis=1)
 
 
-def partial_dots(a: torch.Tensor, b: torch.Tensor, segments: Sequence[Segment],
-                 layer_count: int) -> torch.Tensor:
-    """[a.b, a.a, b.b] per layer (float64, shape (layer_count, 3)) over the given segments of
-    the 1-D tensors ``a`` and ``b``; layers without a segment get zeros."""
-    dots = torch.zeros(layer_count, 3, dtype=torch.float64, device=a.device)
-    if not segments:
+def partial_dots(a: torch.Tensor, b: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """[a.b, a.a, b.b] per layer (float64, shape (layer_count, 3)) over the segments of
+    ``piece`` in the 1-D tensors ``a`` and ``b``; layers without a segment get zeros."""
+    dots = torch.zeros(piece.layer_count, 3, dtype=torch.float64, device=a.device)
+    if not len(piece.table):
+        return dots
+    kernel = _kernel("dots", a, b)
+    if kernel is not None:
+        kernel(a.data_ptr(), b.data_ptr(), piece.table.ctypes.data, len(piece.table),
+               dots.data_ptr())
         return dots
     scratch = _scratch(a.device, 5)
     rows, products = scratch[:2], scratch[2:]
     acc = torch.zeros(2, 2, dtype=torch.float64, device=a.device)
-    for item in plan(segments):
+    for item in piece.items:
         if isinstance(item, Run):
             m = item.end - item.start
             x, y = rows[0, :m], rows[1, :m]
@@ -148,6 +198,11 @@ def partial_dots(a: torch.Tensor, b: torch.Tensor, segments: Sequence[Segment],
 def coefficients(dots: torch.Tensor) -> torch.Tensor:
     """(layer_count, 2) float64: the weights of a and of b.  A zero side weighs 1, so the other
     side passes through unchanged and no NaN appears."""
+    if _LIB is not None and dots.device.type == "cpu":  # one call instead of ten small ops
+        dots = dots.contiguous()
+        weights = torch.empty(dots.shape[0], 2, dtype=torch.float64)
+        _LIB.hx_adasum_weights(dots.data_ptr(), dots.shape[0], weights.data_ptr())
+        return weights
     ab, aa, bb = dots[:, 0], dots[:, 1], dots[:, 2]
     one = torch.ones_like(ab)
     ca = torch.where(aa > 0, 1.0 - ab / (2.0 * aa.clamp_min(1e-300)), one)
@@ -156,15 +211,21 @@ def coefficients(dots: torch.Tensor) -> torch.Tensor:
 
 
 def combine_(out: torch.Tensor, other: torch.Tensor, out_is_a: bool,
-             coeffs: torch.Tensor, segments: Sequence[Segment]) -> torch.Tensor:
+             coeffs: torch.Tensor, piece: Piece) -> torch.Tensor:
     """out = c_out * out + c_other * other on every segment, in place; ``out_is_a`` says whether
     ``out`` holds the a side (left neighbour's vector) or the b side."""
     if not out_is_a:
         coeffs = coeffs.flip(1)
+    kernel = _kernel("combine", out, other)
+    if kernel is not None and len(piece.table):
+        weights = coeffs.contiguous()
+        kernel(out.data_ptr(), other.data_ptr(), piece.table.ctypes.data, len(piece.table),
+               weights.data_ptr())
+        return out
     weights = coeffs.tolist()  # one device sync for all layers
     low_precision = out.dtype in (torch.float16, torch.bfloat16)
     work_dtype = torch.float32 if low_precision else out.dtype
-    for item in plan(segments):
+    for item in piece.items:
         if isinstance(item, Run):
             per_element = torch.repeat_interleave(
                 coeffs[item.layers.to(out.device)].to(work_dtype),
@@ -188,6 +249,5 @@ def combine_(out: torch.Tensor, other: torch.Tensor, out_is_a: bool,
 
 def adasum_pair_(a: torch.Tensor, b: torch.Tensor, layers: LayerMap) -> torch.Tensor:
     """Adasum of two whole flat vectors, per layer, written into ``a``; returns ``a``."""
-    segments = layers.segments(0, a.numel())
-    coeffs = coefficients(partial_dots(a, b, segments, layers.count))
-    return combine_(a, b, True, coeffs, segments)
+    piece = layers.piece(0, a.numel())
+    return combine_(a, b, True, coefficients(partial_dots(a, b, piece)), piece)

@@ -16,19 +16,21 @@ hierarchical caller can run the tree over nodes in node order whatever the commu
 order; ``extra_reduce`` sums the partial products once more (over the local ranks that hold the
 other shards of the same vectors, in the hierarchical variant).
 """
+from collections import OrderedDict
 from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
 from horovod_ext.backends.base import Communicator
 
+from .gather import gather_adasum_, largest_power_of_two
 from .operator import WORKSPACE, LayerMap, coefficients, combine_, partial_dots
 
+# Bytes a rank may receive from the others for the gather path (see gather.py); at n = 2 it
+# sends no more than RVH, and below this its single collective beats RVH's 2 log2(n) + 1.
+GATHER_LIMIT = 1 << 20
+
 DotsReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-def largest_power_of_two(n: int) -> int:
-    return 1 << (n.bit_length() - 1)
 
 
 def _sum_over_groups(comm: Communicator, dots: Optional[torch.Tensor], me: int, span: int,
@@ -48,22 +50,44 @@ def _sum_over_groups(comm: Communicator, dots: Optional[torch.Tensor], me: int, 
     return table[me // span] if dots is not None else table[0]
 
 
+_LAYER_MAPS: "OrderedDict[tuple, LayerMap]" = OrderedDict()
+
+
+def _layer_map(bounds) -> LayerMap:
+    """The LayerMap of these bounds, kept for the buffers seen lately (they recur each step,
+    and a map keeps the pieces it has sliced)."""
+    key = tuple(map(tuple, bounds))
+    found = _LAYER_MAPS.get(key)
+    if found is None:
+        found = _LAYER_MAPS[key] = LayerMap(bounds)
+        if len(_LAYER_MAPS) > 64:
+            _LAYER_MAPS.popitem(last=False)
+    else:
+        _LAYER_MAPS.move_to_end(key)
+    return found
+
+
 def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: Communicator,
                       order: Optional[Sequence[int]] = None,
                       extra_reduce: Optional[DotsReduce] = None,
-                      offset: int = 0) -> torch.Tensor:
+                      offset: int = 0, gather_limit: int = GATHER_LIMIT) -> torch.Tensor:
     """Adasum of the flat tensor ``x`` over the ranks of ``comm``, per layer, in place.
 
     ``bounds``: (offset, numel) of every layer in the coordinates of the whole buffer; ``x``
     holds elements [offset, offset + x.numel()) of it (a shard, in the hierarchical variant).
+    Whole vectors whose gathering would bring each rank at most ``gather_limit`` bytes from
+    the others go through gather.py (one collective) instead of RVH.
     """
     n = comm.size
     if n == 1:
         return x
     order = tuple(range(n)) if order is None else tuple(order)
-    layers = LayerMap(bounds)
+    layers = _layer_map(bounds)
     p = largest_power_of_two(n)
     me = order.index(comm.rank)
+    gathered_bytes = (n - 1) * x.numel() * x.element_size()
+    if extra_reduce is None and offset == 0 and gathered_bytes <= gather_limit:
+        return gather_adasum_(x, layers, comm, order)
     reduce_dots = extra_reduce or (lambda dots: dots)
 
     if me >= p:  # folded: hand the vector over, join the level sums, get the result back
@@ -77,9 +101,9 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
     if me + p < n:
         other = WORKSPACE.get("received", x.numel(), x.dtype, x.device)
         _swap(comm, None, other, order[me + p])
-        segments = layers.segments(offset, offset + x.numel())
-        dots = reduce_dots(partial_dots(x, other, segments, layers.count))
-        combine_(x, other, True, coefficients(dots), segments)
+        piece = layers.piece(offset, offset + x.numel())
+        dots = reduce_dots(partial_dots(x, other, piece))
+        combine_(x, other, True, coefficients(dots), piece)
     if p > 1:
         _rvh(x, layers, comm, order, p, me, reduce_dots, offset)
     if me + p < n:
@@ -117,10 +141,10 @@ def _rvh(x, layers: LayerMap, comm: Communicator, order, p: int, me: int,
             theirs = WORKSPACE.get("received", hi - mid, x.dtype, x.device)
             _swap(comm, x[lo:mid], theirs, nghr)
             a, b, new = theirs, mine, (mid, hi)
-        segments = layers.segments(offset + new[0], offset + new[1])
-        dots = partial_dots(a, b, segments, layers.count)
+        piece = layers.piece(offset + new[0], offset + new[1])
+        dots = partial_dots(a, b, piece)
         dots = reduce_dots(_sum_over_groups(comm, dots, me, 2 * d, p, dots.shape, x.device))
-        combine_(mine, theirs, left, coefficients(dots), segments)
+        combine_(mine, theirs, left, coefficients(dots), piece)
         trail.append((lo, mid, hi, nghr, left))
         lo, hi = new
         d *= 2

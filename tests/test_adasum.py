@@ -1,8 +1,9 @@
 """Adasum against its formula and the tree reference computed here, over real Gloo and MPI ranks.
 
 One 8-process run per backend covers every process count from 2 to 8: the world, and
-sub-communicators of 2, 3, 4, 5 and 6 ranks split from it, each running the same AdasumRVH code
-that ``hvd.allreduce(op=hvd.Adasum)`` runs on the world.
+sub-communicators of 2, 3, 4, 5 and 6 ranks split from it, each running the same code that
+``hvd.allreduce(op=hvd.Adasum)`` runs on the world, by both of its paths: AdasumRVH and the
+gather path that small messages take.
 """
 import pytest
 import torch
@@ -74,8 +75,9 @@ def _rvh_every_count():
             for t in layers:
                 bounds.append((off, t.numel()))
                 off += t.numel()
-            adasum_allreduce_(flat, bounds, group)
-            results[size] = (group.size, flat)
+            rvh = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0)
+            gathered = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=1 << 30)
+            results[size] = (group.size, rvh, gathered)
         return results
 
     out["split"] = context.current().execute("test.adasum.split", run_split)
@@ -114,12 +116,15 @@ def test_adasum_every_process_count(backend):
         for members in (range(0, size), range(size, n)):
             inputs = [layers_for(r, seed=size) for r in members]
             expected = ref_tree(inputs, shapes)
-            for r in members:
-                group_size, flat = results[r]["split"][size]
-                assert group_size == len(members)
-                got = list(torch.split(flat, [s.numel() for s in shapes]))
-                err = rel_err(got, expected)
-                assert err < 1e-5, (backend, size, list(members), r, err)
+            for path in (1, 2):  # RVH, gather
+                for r in members:
+                    group_size, flat = results[r]["split"][size][0], results[r]["split"][size][path]
+                    assert group_size == len(members)
+                    got = list(torch.split(flat, [s.numel() for s in shapes]))
+                    err = rel_err(got, expected)
+                    assert err < 1e-5, (backend, size, path, list(members), r, err)
+                    # every rank holds the same bits, or replicas drift apart
+                    assert torch.equal(flat, results[members[0]]["split"][size][path])
     for dtype in DTYPES:
         expected = ref_tree([layers_for(r, 50, dtype) for r in range(n)], shapes)
         for r in range(n):
@@ -139,6 +144,38 @@ def test_adasum_every_process_count(backend):
         assert rel_err([results[r]["one_zero"][1]], [expected_zero]) < 1e-6
         assert torch.equal(results[r]["all_zero"], torch.zeros(10))
         assert "adasum" in results[r]["int_error"] and "int32" in results[r]["int_error"]
+
+
+def test_c_kernels_match_torch_code():
+    """The C kernels (float32/float64 on the CPU) and the torch code agree, on many layers with
+    small ones grouped and big ones chunked, zero layers included; CI builds the kernels."""
+    from adasum import operator
+    from adasum.operator import LayerMap, adasum_pair_, partial_dots
+    assert operator._LIB is not None, "adasum C kernels not built (no C compiler at install?)"
+    sizes = [3, 5000, 1, 0, 70000, 2, 300, 131073]
+    bounds, off = [], 0
+    for n in sizes:
+        bounds.append((off, n))
+        off += n
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64):
+        a = torch.randn(off, generator=g).to(dtype)
+        b = torch.randn(off, generator=g).to(dtype)
+        b[3:5003] = 0  # a zero layer on one side passes the other through
+        layers = LayerMap(bounds)
+        piece = layers.piece(100, off - 7)  # a piece cutting the first and last layers
+        native_dots = partial_dots(a[100:off - 7], b[100:off - 7], piece)
+        native = adasum_pair_(a.clone(), b, layers)
+        kernels, operator._KERNELS = operator._KERNELS, {}
+        try:
+            torch_dots = partial_dots(a[100:off - 7], b[100:off - 7], piece)
+            torch_out = adasum_pair_(a.clone(), b, LayerMap(bounds))
+        finally:
+            operator._KERNELS = kernels
+        assert torch.allclose(native_dots, torch_dots, rtol=1e-12, atol=1e-9), dtype
+        tol = 1e-6 if dtype == torch.float32 else 1e-13
+        assert rel_err([native], [torch_out]) < tol, dtype
+        assert torch.equal(native[3:5003], a[3:5003])
 
 
 # --- hierarchical: average inside each node, Adasum across nodes in node order ----------------

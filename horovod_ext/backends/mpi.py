@@ -34,7 +34,9 @@ class _Watchdog:
         self._ids = itertools.count()
         self._thread = None
 
-    def arm(self, deadline: float, message: str) -> int:
+    def arm(self, deadline: float, message) -> int:
+        """``message``: the text to print if the deadline passes, or a function making it (the
+        calls that finish in time, nearly all, never pay for formatting it)."""
         with self._lock:
             token = next(self._ids)
             self._armed[token] = (deadline, message)
@@ -53,7 +55,8 @@ class _Watchdog:
             time.sleep(0.25)
             now = time.monotonic()
             with self._lock:
-                late = [m for d, m in self._armed.values() if now > d]
+                late = [m if isinstance(m, str) else m()
+                        for d, m in self._armed.values() if now > d]
             if late:
                 logging.getLogger("horovod_ext").critical("%s", late[0])
                 import sys
@@ -117,9 +120,9 @@ class MPICommunicator(Communicator):
         messages here) under a watchdog: one that outlives the timeout aborts the job with a
         message, since an MPI call cannot be interrupted."""
         token = _WATCHDOG.arm(time.monotonic() + self._timeout,
-                              f"MPI {what} on rank {self.rank} of {self.size} did not finish "
-                              f"within {self._timeout:.0f} s: a peer has died or stopped "
-                              f"answering; aborting the job")
+                              lambda: f"MPI {what} on rank {self.rank} of {self.size} did not "
+                                      f"finish within {self._timeout:.0f} s: a peer has died or "
+                                      f"stopped answering; aborting the job")
         try:
             yield
         finally:

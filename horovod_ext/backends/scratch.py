@@ -16,7 +16,8 @@ class Workspace:
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements (uninitialised) kept under ``name``."""
-        key = (name, dtype, torch.device(device))
+        # torch.device() costs microseconds: keep the given device unless it is a string
+        key = (name, dtype, device if isinstance(device, torch.device) else torch.device(device))
         t = self._tensors.get(key)
         if t is None or t.numel() < numel:
             t = self._tensors[key] = torch.empty(numel, dtype=dtype, device=device)

@@ -1,0 +1,116 @@
+/* Adasum's inner loops on the CPU, for float32 and float64: per-layer [a.b, a.a, b.b] and the
+ * per-layer weighted sum, each over a list of segments of two flat vectors.
+ *
+ * Plain C with no Python API, loaded through ctypes (horovod_ext/backends/native.py); the Python
+ * code in operator.py does the same with torch ops when this library is not built.  One call
+ * handles every segment of a piece, so a model with hundreds of small tensors costs one call,
+ * and each loop reads its data once, where torch needs a float64 copy first.
+ *
+ * A segment is three int64: start (element of the vectors), length, layer (row of the tables).
+ * Products and sums are float64 whatever the input type (for float32 the products are exact).
+ * target_clones picks the AVX2+FMA build where the CPU has it, at load time.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* x86-64-v3: AVX2 and FMA. */
+#define KERNEL __attribute__((target_clones("arch=x86-64-v3", "default")))
+
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef double f64x4 __attribute__((vector_size(32)));
+
+/* Loads four elements as float64 lanes (memcpy: the data need not be aligned). */
+static inline __attribute__((always_inline)) f64x4 load4_f32(const float *p)
+{
+    f32x4 v;
+    memcpy(&v, p, sizeof v);
+    return __builtin_convertvector(v, f64x4);
+}
+
+static inline __attribute__((always_inline)) f64x4 load4_f64(const double *p)
+{
+    f64x4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The sums run in eight fixed lanes (two vectors of four), added up in a fixed order at the end,
+ * so every build (AVX2 or not) gives the same bits: ranks that compute the same Adasum on
+ * different CPUs must agree exactly, or their parameters drift apart. */
+#define DOTS(NAME, T, LOAD4)                                                           \
+    KERNEL void NAME(const T *a, const T *b, const int64_t *segs, int64_t nseg,        \
+                     double *dots)                                                     \
+    {                                                                                  \
+        for (int64_t s = 0; s < nseg; s++) {                                           \
+            const T *x = a + segs[3 * s], *y = b + segs[3 * s];                        \
+            const int64_t n = segs[3 * s + 1];                                         \
+            f64x4 ab0 = {0}, aa0 = {0}, bb0 = {0}, ab1 = {0}, aa1 = {0}, bb1 = {0};    \
+            int64_t i = 0;                                                             \
+            for (; i + 8 <= n; i += 8) {                                               \
+                const f64x4 u0 = LOAD4(x + i), v0 = LOAD4(y + i);                      \
+                const f64x4 u1 = LOAD4(x + i + 4), v1 = LOAD4(y + i + 4);              \
+                ab0 += u0 * v0;                                                        \
+                aa0 += u0 * u0;                                                        \
+                bb0 += v0 * v0;                                                        \
+                ab1 += u1 * v1;                                                        \
+                aa1 += u1 * u1;                                                        \
+                bb1 += v1 * v1;                                                        \
+            }                                                                          \
+            double ab = 0.0, aa = 0.0, bb = 0.0;                                       \
+            for (; i < n; i++) {                                                       \
+                const double u = x[i], v = y[i];                                       \
+                ab += u * v;                                                           \
+                aa += u * u;                                                           \
+                bb += v * v;                                                           \
+            }                                                                          \
+            ab0 += ab1;                                                                \
+            aa0 += aa1;                                                                \
+            bb0 += bb1;                                                                \
+            for (int j = 0; j < 4; j++) {                                              \
+                ab += ab0[j];                                                          \
+                aa += aa0[j];                                                          \
+                bb += bb0[j];                                                          \
+            }                                                                          \
+            double *row = dots + 3 * segs[3 * s + 2];                                  \
+            row[0] += ab;                                                              \
+            row[1] += aa;                                                              \
+            row[2] += bb;                                                              \
+        }                                                                              \
+    }
+
+/* The weights of a and b per layer from its [a.b, a.a, b.b]: 1 - a.b / (2 |a|^2) and
+ * 1 - a.b / (2 |b|^2); a zero side weighs 1, so the other side passes through unchanged. */
+void hx_adasum_weights(const double *dots, int64_t layers, double *weights)
+{
+    for (int64_t l = 0; l < layers; l++) {
+        const double ab = dots[3 * l], aa = dots[3 * l + 1], bb = dots[3 * l + 2];
+        weights[2 * l] = aa > 0.0 ? 1.0 - ab / (2.0 * aa) : 1.0;
+        weights[2 * l + 1] = bb > 0.0 ? 1.0 - ab / (2.0 * bb) : 1.0;
+    }
+}
+
+/* out = w_out * out + w_other * other, with (w_out, w_other) = weights[2 * layer ...]. */
+#define COMBINE(NAME, T)                                                               \
+    KERNEL void NAME(T *out, const T *other, const int64_t *segs, int64_t nseg,        \
+                     const double *weights)                                            \
+    {                                                                                  \
+        for (int64_t s = 0; s < nseg; s++) {                                           \
+            T *x = out + segs[3 * s];                                                  \
+            const T *y = other + segs[3 * s];                                          \
+            const int64_t n = segs[3 * s + 1];                                         \
+            const T wx = (T)weights[2 * segs[3 * s + 2]];                              \
+            const T wy = (T)weights[2 * segs[3 * s + 2] + 1];                          \
+            for (int64_t i = 0; i < n; i++)                                            \
+                x[i] = wx * x[i] + wy * y[i];                                          \
+        }                                                                              \
+    }
+
+/* A product of two floats is exact in float64, so fusing the multiply into the add (FMA, where
+ * the CPU has it) gives the same bits as not fusing it: every build still agrees. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+DOTS(hx_adasum_dots_f32, float, load4_f32)
+#pragma GCC pop_options
+DOTS(hx_adasum_dots_f64, double, load4_f64)
+COMBINE(hx_adasum_combine_f32, float)
+COMBINE(hx_adasum_combine_f64, double)

@@ -1,0 +1,50 @@
+"""Adasum of small vectors: every rank gets every vector and runs the tree itself.
+
+For small messages RVH's cost is not bytes but its synchronisation points (an exchange and a
+dot-product allreduce per level, then the gather) and the work between them.  Here there is one
+collective: at n = 2 a single exchange of the whole vector, which sends exactly the bytes RVH
+sends (one whole vector instead of two halves) for twice the arithmetic; for larger n an
+allgather, which moves n - 1 times RVH's bytes, so the caller keeps this for small messages.
+
+The tree is the one RVH computes (ranks r >= p folded into r - p, then pairs at distance 1, 2,
+...), and every rank runs the same operations on the same operands in the same roles, so all
+ranks end with the same bits (the C kernels' sums have a fixed order on every CPU).
+"""
+from typing import Sequence
+
+import torch
+
+from horovod_ext.backends.base import Communicator
+
+from .operator import WORKSPACE, LayerMap, adasum_pair_
+
+
+def largest_power_of_two(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def gather_adasum_(x: torch.Tensor, layers: LayerMap, comm: Communicator,
+                   order: Sequence[int]) -> torch.Tensor:
+    """Adasum of the whole flat tensor ``x`` over ``comm``, the tree taken in ``order``."""
+    n = comm.size
+    me = order.index(comm.rank)
+    if n == 2:
+        peer = order[1 - me]
+        other = WORKSPACE.get("received", x.numel(), x.dtype, x.device)
+        comm.sendrecv(x, peer, other, peer)
+        if me == 0:
+            adasum_pair_(x, other, layers)
+        else:  # the same operation, a first, on both ranks: the same rounding
+            x.copy_(adasum_pair_(other, x, layers))
+        return x
+    rows = comm.allgather(x.view(1, -1))
+    vectors = [rows[rank] for rank in order]
+    p = largest_power_of_two(n)
+    for r in range(p, n):
+        adasum_pair_(vectors[r - p], vectors[r], layers)
+    d = 1
+    while d < p:
+        for i in range(0, p, 2 * d):
+            adasum_pair_(vectors[i], vectors[i + d], layers)
+        d *= 2
+    return x.copy_(vectors[0])
