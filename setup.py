@@ -20,7 +20,8 @@ setup(
     },
     # Optional C kernels (plain C, loaded with ctypes): without a compiler the build skips them and
     # the torch code runs instead.
-    ext_modules=[Extension("adasum._kernels", ["adasum/_kernels.c"], optional=True,
-                           extra_compile_args=["-O3", "-ffp-contract=off"])],
+    ext_modules=[Extension(f"{package}._kernels", [f"{package}/_kernels.c"], optional=True,
+                           extra_compile_args=["-O3", "-ffp-contract=off"])
+                 for package in ("adasum", "onebit")],
     entry_points={"console_scripts": ["hvdrun = launch.run:main"]},
 )

@@ -17,12 +17,19 @@ int64 word into its top byte with one multiplication.  Unpacking looks every byt
 
 The sign bit treats -0.0 as negative; the public functions add 0.0 first (-0.0 + 0.0 = +0.0), and
 the compressed allreduce never produces -0.0 (its values are sums with +0.0-initialised errors).
+
+Contiguous float32 and float64 tensors on the CPU go through C kernels (``_kernels.c``: each
+phase one call, one pass over the data) where setup.py could build them; they compute the same
+values with the same IEEE operations, and the scales from float64 sums of squares (the torch code
+combines float32 row norms in float64, so a scale may differ in its last bit between the two).
 """
+import ctypes
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from horovod_ext.backends import native
 from horovod_ext.backends.scratch import Workspace as SharedWorkspace
 
 # Flags f_i (0/1) at bits 8i of a word; times this constant, f_i lands on bit 56 + i and no two
@@ -34,6 +41,33 @@ BLOCK = 1 << 18
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TABLES: Dict[Tuple[torch.dtype, torch.device], torch.Tensor] = {}
 _LOCAL = threading.local()
+
+
+_P, _N = ctypes.c_void_p, ctypes.c_int64
+_LIB = native.load("onebit._kernels", {
+    **{f"hx_onebit_compress_{t}": (_P, _P, _N, _P, _N, _P, _P, _N, _P, _P, _N, _P, _P)
+       for t in ("f32", "f64")},
+    **{f"hx_onebit_decompress_{t}": (_P, _N, _P, _N, _P, _P) for t in ("f32", "f64")},
+    **{f"hx_onebit_settle_{t}": (_P, _N, _P, _N, _P) for t in ("f32", "f64")}})
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _native(*tensors: Optional[torch.Tensor]) -> Optional[str]:
+    """The kernels' type suffix when they can take these tensors (the first one's dtype; all on
+    the CPU and contiguous), else None: the torch code runs."""
+    if _LIB is None:
+        return None
+    suffix = _SUFFIX.get(tensors[0].dtype)
+    if suffix is None:
+        return None
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
+            return None
+    return suffix
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
 
 
 def packed_bytes(numel: int) -> int:
@@ -116,6 +150,9 @@ class Plan:
         self.slots = len(slot_segs)
         self.slot_segs = slot_segs
         self._segs: Dict[torch.device, torch.Tensor] = {}
+        # for the C kernels: segment lengths, and the float64 counts the scales divide by
+        self.lengths_i64 = torch.tensor(self.lengths, dtype=torch.int64)
+        self.counts_f64 = self.lengths_i64.double()
 
     def slot_segments(self, device) -> torch.Tensor:
         t = self._segs.get(device)
@@ -236,6 +273,13 @@ def settle_error_(error: torch.Tensor, scales: torch.Tensor, lengths: Sequence[i
     ``error`` holds a compensated tensor that was compressed with ``scales``."""
     ws = ws or default_workspace()
     plan = ws.plan(error.numel(), lengths, error.device)
+    suffix = _native(error)
+    if suffix:
+        s = scales.to(error.dtype).contiguous()
+        getattr(_LIB, f"hx_onebit_settle_{suffix}")(
+            error.data_ptr(), error.numel(), plan.lengths_i64.data_ptr(), len(plan.lengths),
+            s.data_ptr())
+        return error
     bits = _scale_bits(scales, error.dtype)
     for _, _, pieces in plan.blocks:
         for a, b, seg, _ in pieces:
@@ -261,6 +305,10 @@ def compensate_compress_(error: torch.Tensor, lengths: Sequence[int], out: torch
     dtype = error.dtype
     sdtype = scale_dtype(dtype)
     plan = ws.plan(error.numel(), lengths, error.device)
+    if (_native(error, dense, out, *(signs for signs, _ in packed))
+            and (dense is None or dense.dtype == dtype)):
+        return _compress_native(error, error, plan, out, pending=pending, dense=dense,
+                                packed=packed, divisor=divisor)
     norms = ws.get("norms", plan.slots, sdtype, error.device)
     bits = _scale_bits(pending, dtype) if pending is not None else None
     tables = [_Tables(s, sdtype, error.device, divisor) for _, s in packed]
@@ -289,10 +337,42 @@ def compensate_compress_(error: torch.Tensor, lengths: Sequence[int], out: torch
     return _finish_scales(norms, plan, dtype)
 
 
+def _compress_native(src: torch.Tensor, dst: Optional[torch.Tensor], plan: Plan,
+                     out: torch.Tensor, pending: Optional[torch.Tensor] = None,
+                     dense: Optional[torch.Tensor] = None,
+                     packed: Sequence[Tuple[torch.Tensor, torch.Tensor]] = (),
+                     divisor: int = 1, normalise: bool = False) -> torch.Tensor:
+    """``compensate_compress_`` (or, with ``normalise`` and no ``dst``, ``compress``) in one C
+    call; returns the per-segment scales."""
+    dtype = src.dtype
+    nseg = len(plan.lengths)
+    pend = None if pending is None else pending.to(dtype).contiguous()
+    parts = None
+    signs = None
+    if packed:
+        # as the torch code: the scale divided by n in the scale dtype (= dtype here)
+        parts = torch.stack([s.to(dtype) if divisor == 1 else (s / divisor).to(dtype)
+                             for _, s in packed]).contiguous()
+        signs = (ctypes.c_void_p * len(packed))(*[t.data_ptr() for t, _ in packed])
+    sumsq = torch.zeros(nseg, dtype=torch.float64)
+    getattr(_LIB, f"hx_onebit_compress_{_SUFFIX[dtype]}")(
+        src.data_ptr(), _ptr(dst), src.numel(), plan.lengths_i64.data_ptr(), nseg, _ptr(pend),
+        _ptr(dense), len(packed), signs, _ptr(parts), int(normalise), out.data_ptr(),
+        sumsq.data_ptr())
+    return (sumsq.sqrt_() / plan.counts_f64.sqrt()).to(dtype).to(scale_dtype(dtype))
+
+
 def decompress_into(packed: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
                     out: torch.Tensor, ws: Workspace) -> torch.Tensor:
     """``sign * scale`` of the flat ``out`` (its dtype), segment ``i`` scaled by ``scales[i]``."""
     plan = ws.plan(out.numel(), lengths, out.device)
+    suffix = _native(out, packed)
+    if suffix:
+        s = scales.to(out.dtype).contiguous()
+        getattr(_LIB, f"hx_onebit_decompress_{suffix}")(
+            packed.data_ptr(), out.numel(), plan.lengths_i64.data_ptr(), len(plan.lengths),
+            s.data_ptr(), out.data_ptr())
+        return out
     tables = _Tables(scales, out.dtype, out.device)
     for lo, hi, pieces in plan.blocks:
         _decompress_block(packed[lo // 8:packed_bytes(hi)], out[lo:hi], lo, pieces, tables, ws)
@@ -355,6 +435,8 @@ def compress(x: torch.Tensor, lengths: Optional[Sequence[int]] = None,
     if out is None:
         out = torch.empty(packed_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     plan = ws.plan(x.numel(), lengths, x.device)
+    if _native(x, out):
+        return out, _compress_native(x, None, plan, out, normalise=True)
     norms = ws.get("norms", plan.slots, scale_dtype(x.dtype), x.device)
     for lo, hi, pieces in plan.blocks:
         block = _normalised(x[lo:hi], ws)

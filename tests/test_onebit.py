@@ -450,6 +450,55 @@ def test_pack_unpack_against_bits(dtype):
                                 rel_tol=1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_c_kernels_match_torch_code(dtype):
+    """The C kernels (what CPUs run) against the torch code (what GPUs and builds without a
+    compiler run): every value and sign bit equal, the scales within one rounding."""
+    from onebit import compression as C
+    assert C._LIB is not None, "onebit C kernels not built (no C compiler at install?)"
+    sdtype = C.scale_dtype(dtype)
+
+    def phases(seed, n, lengths, nparts, pending):
+        g = torch.Generator().manual_seed(seed)
+        error = torch.randn(n, generator=g).to(dtype)
+        error[::11] = 0.0
+        dense = torch.randn(n, generator=g).to(dtype)
+        pend = (torch.rand(len(lengths), generator=g) + 0.1).to(sdtype) if pending else None
+        parts = [(torch.randint(0, 256, (C.packed_bytes(n),), generator=g, dtype=torch.uint8),
+                  (torch.rand(len(lengths), generator=g) + 0.5).to(sdtype))
+                 for _ in range(nparts)]
+        packed = torch.zeros(C.packed_bytes(n), dtype=torch.uint8)
+        ws = C.Workspace()
+        scales = C.compensate_compress_(error, lengths, packed, ws, pending=pend, dense=dense,
+                                        packed=parts, divisor=max(nparts, 1))
+        unit = torch.ones(len(lengths), dtype=sdtype)
+        signs = C.decompress_into(packed, unit, lengths, torch.empty(n, dtype=dtype), ws)
+        settled = C.settle_error_(error.clone(), unit * 0.25, lengths, ws)
+        x = torch.randn(n, generator=g).to(dtype)
+        x[::7] = -0.0
+        p2, s2 = C.compress(x, lengths)
+        return [error, packed, signs, settled, p2], [scales, s2]
+
+    cases = [(37, [10, 0, 27]), (5, [5]), (1000, [1000]), (2 * 2048 + 13, [3, 2000, 2106]),
+             (3 * C.BLOCK + 5, [C.BLOCK - 3, 2 * C.BLOCK + 8])]
+    for seed, (n, lengths) in enumerate(cases):
+        for nparts in (0, 1, 3):
+            for pending in (False, True):
+                native_exact, native_scales = phases(seed, n, lengths, nparts, pending)
+                lib, C._LIB = C._LIB, None
+                try:
+                    torch_exact, torch_scales = phases(seed, n, lengths, nparts, pending)
+                finally:
+                    C._LIB = lib
+                for a, b in zip(native_exact, torch_exact):
+                    assert torch.equal(a, b), (n, lengths, nparts, pending)
+                for a, b in zip(native_scales, torch_scales):
+                    nonzero = torch.tensor(lengths) > 0
+                    torch.testing.assert_close(a[nonzero], b[nonzero], atol=0,
+                                               rtol=8 * torch.finfo(dtype).eps)
+
+
 @pytest.mark.timeout(30)
 def test_bytes_and_error_compensation_single_process():
     from onebit import ErrorFeedback, compressed_allreduce_, compressed_bytes
