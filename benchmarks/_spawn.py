@@ -60,8 +60,11 @@ def _wait_all(procs, timeout):
 
 
 def run_gloo(argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
-             hosts: Optional[List[str]] = None, timeout: float = 1200):
-    """``np`` local ranks over Gloo; ``hosts`` (one per rank) names lab namespaces to run in."""
+             hosts: Optional[List[str]] = None, timeout: float = 1200,
+             hostnames: Optional[List[str]] = None):
+    """``np`` local ranks over Gloo; ``hosts`` (one per rank) names lab namespaces to run in;
+    ``hostnames`` (one per rank, without ``hosts``) groups loopback ranks into pretend nodes
+    through HOROVOD_HOSTNAME."""
     port = free_port()
     addr = "127.0.0.1"
     if hosts:
@@ -72,6 +75,8 @@ def run_gloo(argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
         e.update(HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(np), HOROVOD_CPU_OPERATIONS="gloo",
                  HOROVOD_GLOO_RENDEZVOUS_ADDR=addr, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port))
         cmd = [sys.executable] + list(argv)
+        if hostnames:
+            e["HOROVOD_HOSTNAME"] = hostnames[rank]
         if hosts:
             e.update(HOROVOD_HOSTNAME=hosts[rank], GLOO_SOCKET_IFNAME="eth0",
                      HOROVOD_GLOO_IFACE="eth0")
@@ -120,7 +125,8 @@ def lab(hosts: int, rate: str):
 
 
 def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
-                hosts: Optional[List[str]] = None):
+                hosts: Optional[List[str]] = None, hostnames: Optional[List[str]] = None,
+                timeout: float = 1200):
     """Run a benchmark worker (``argv`` takes ``--result PATH``) and return the JSON that rank 0
     wrote there."""
     import json
@@ -130,9 +136,9 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
     try:
         argv = list(argv) + ["--result", result]
         if kind == "mpi":
-            run_mpi(argv, np, env)
+            run_mpi(argv, np, env, timeout=timeout)
         else:
-            run_gloo(argv, np, env, hosts=hosts)
+            run_gloo(argv, np, env, hosts=hosts, hostnames=hostnames, timeout=timeout)
         with open(result) as f:
             return json.load(f)
     finally:
