@@ -93,7 +93,7 @@ def init(comm=None):
         state.owns_torch_dist = transport == "gloo" and not had_dist
         state.engine = Engine(comms, control, config)
         context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
-                                                _execute_custom))
+                                                _execute_custom, _submit_custom))
         if not state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             state.atexit_registered = True
@@ -122,6 +122,15 @@ def _execute_custom(name, fn):
     """Run ``fn(topology)`` as the engine's request ``name`` on every rank; its result."""
     request = Request(name, "custom", [], fn=fn)
     return engine().submit(request, wake=False).wait()[0]
+
+
+def _submit_custom(name, fn):
+    """Queue ``fn(topology)`` as the engine's request ``name``; a handle whose wait() returns
+    its result."""
+    request = Request(name, "custom", [], fn=fn)
+    handle = engine().submit(request)
+    handle.post = lambda result: result[0]
+    return handle
 
 
 def _shutdown_at_exit():

@@ -32,11 +32,25 @@ Hierarchical (several nodes with several ranks each): gradients are averaged in 
 node first; the sparse sync and the model sync then run across nodes, and n in eta / sqrt(n)
 is the number of nodes (each node's local part is one node's batch).
 
-Communication goes through ``horovod_ext.backends.context.current().execute`` (ordered with
-every other collective of the job), or straight over ``topology=`` when one is given.
+Communication goes through ``horovod_ext.backends.context.current()`` (ordered with every other
+collective of the job), or straight over ``topology=`` when one is given.
+
+Overlap with backward (``overlap=True``, the default under ``hvd.init()``): lines 5-9 need only
+a tensor's own gradient, so a gradient hook starts them for a bucket of parameters (about
+``bucket_bytes`` of them, in the order backward produces them) as soon as the bucket's gradients
+are final, on the engine's thread, while backward goes on, as DistributedOptimizer does for
+allreduce; ``step()`` waits for them and does lines 10-22.  The bucket's new momentum goes into
+a spare buffer that ``step()`` swaps in, so a step that is skipped (e.g. GradScaler found an
+inf) changes nothing, and a second backward before ``step()`` (gradient accumulation) simply
+starts the bucket again from the accumulated gradients (``backward_passes_per_step=k`` avoids
+the wasted first sync).  The result is the same as without overlap (one allreduce per bucket
+instead of one per step: the same sums).
 """
+import itertools
 import math
+import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -49,6 +63,11 @@ from .mask import random_k_indices, split_indices
 from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_, syncs_in_full
 
 SCALINGS = ("algorithm", "simplified")
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class SLAMB(torch.optim.Optimizer):
@@ -65,6 +84,8 @@ class SLAMB(torch.optim.Optimizer):
     last step began).
     """
 
+    _instances = itertools.count()
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  beta3: float = 0.95, eps: float = 1e-6, weight_decay: float = 0.0,
                  ratio: float = 0.1, sync_interval: int = 100, min_coeff: float = 0.01,
@@ -73,7 +94,8 @@ class SLAMB(torch.optim.Optimizer):
                  eps_inside_sqrt: bool = False, total_steps: Optional[int] = None,
                  hierarchical: Optional[bool] = None,
                  small_tensor_numel: int = SMALL_TENSOR_NUMEL, seed: int = 0,
-                 topology: Optional[Topology] = None):
+                 topology: Optional[Topology] = None, overlap: bool = True,
+                 bucket_bytes: int = 16 << 20, backward_passes_per_step: int = 1):
         check_lamb_args(lr, betas, eps, weight_decay, min_coeff, max_coeff)
         if not 0.0 <= beta3 <= 1.0:
             raise ValueError(f"invalid beta3 {beta3!r}: must be in [0, 1] (paper: 0.93-0.95)")
@@ -86,6 +108,11 @@ class SLAMB(torch.optim.Optimizer):
             raise ValueError(f"invalid scaling {scaling!r}: one of {SCALINGS}")
         if total_steps is not None and total_steps < 1:
             raise ValueError(f"invalid total_steps {total_steps!r}")
+        if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
+            raise ValueError(f"invalid backward_passes_per_step {backward_passes_per_step!r}: "
+                             f"a number of backward passes >= 1")
+        if bucket_bytes < 0:
+            raise ValueError(f"invalid bucket_bytes {bucket_bytes!r}: >= 0 (0: one tensor each)")
         defaults = dict(lr=lr, betas=tuple(betas), beta3=beta3, eps=eps,
                         weight_decay=weight_decay, min_coeff=min_coeff, max_coeff=max_coeff,
                         bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt)
@@ -107,6 +134,29 @@ class SLAMB(torch.optim.Optimizer):
         self.last_comm_seconds = 0.0
         self.comm_seconds = 0.0
         self.last_synced_model = False
+        # overlap with backward: buckets of parameter indices, hooks, work in flight this step
+        self.overlap = bool(overlap)
+        self.bucket_bytes = int(bucket_bytes)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._lock = threading.Lock()
+        self._layout: Optional[Dict[str, Any]] = None   # see _step_layout
+        self._passes: Dict[int, int] = {}        # param index -> backward passes this step
+        self._ready: Dict[int, int] = {}         # bucket -> parameters with final gradients
+        self._inflight: Dict[int, Any] = {}      # bucket -> handle (or finished result)
+        self._spare: Dict[int, torch.Tensor] = {}   # param id -> buffer for the next momentum
+        # request names must differ between optimizers alive at once (in the same order on
+        # every rank, as the optimizers are made)
+        self._name = f"SLAMB{next(SLAMB._instances)}"
+        self._hooks = []
+        if self.overlap:
+            ref = weakref.ref(self)   # the hooks must not keep the optimizer alive
+
+            def hook(p, ref=ref):
+                opt = ref()
+                if opt is not None:
+                    opt._on_gradient(p)
+            self._hooks = [p.register_post_accumulate_grad_hook(hook) for p, _ in self._params()]
+            weakref.finalize(self, _remove_hooks, list(self._hooks))
 
     # --- communication ------------------------------------------------------------------------
     def _topo(self) -> Topology:
@@ -125,7 +175,7 @@ class SLAMB(torch.optim.Optimizer):
         if self._topology is not None:
             sent = fn(self._topology)
         else:
-            sent = context.current().execute(f"SLAMB.{name}", fn)
+            sent = context.current().execute(f"{self._name}.{name}", fn)
         elapsed = time.perf_counter() - start
         self.last_comm_seconds += elapsed
         self.comm_seconds += elapsed
@@ -157,6 +207,143 @@ class SLAMB(torch.optim.Optimizer):
         self._since_sync = 0
         self.last_synced_model = True
 
+    # --- overlap with backward (lines 5-9 per bucket) --------------------------------------------
+    def _overlapping(self) -> bool:
+        return (self.overlap and self._topology is None and context._current is not None
+                and context._current.submit is not None)
+
+    def _step_layout(self) -> Dict[str, Any]:
+        """What step t = self._step + 1 needs before any bucket starts: the parameters, which
+        of them are masked, the mask (line 6, one over the concatenation of the masked
+        tensors), the buckets.  Made once per step (under the lock: hooks may run on autograd's
+        device threads)."""
+        t = self._step + 1
+        params = self._params()
+        ids = tuple(id(p) for p, _ in params)
+        with self._lock:
+            layout = self._layout
+            if layout is not None and layout["t"] == t and layout["ids"] == ids:
+                return layout
+            topo = self._topo()
+            hier = self._uses_hierarchy(topo)
+            full = [syncs_in_full(p.shape, self.small_tensor_numel) for p, _ in params]
+            sparse_sizes = [p.numel() for (p, _), f in zip(params, full) if not f]
+            idx = random_k_indices(sum(sparse_sizes), self.ratio, self.seed, t, "SLAMB",
+                                   params[0][0].device if params else None)
+            pieces = iter(split_indices(idx, sparse_sizes))
+            local_idx = [None if f else next(pieces).to(p.device)
+                         for (p, _), f in zip(params, full)]
+            buckets: List[List[int]] = []
+            size = self.bucket_bytes
+            for i in reversed(range(len(params))):   # backward produces the last layers first
+                if size >= self.bucket_bytes or not buckets:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append(i)
+                size += params[i][0].numel() * params[i][0].element_size()
+            for p, _ in params:
+                self._init_state(p)
+            layout = self._layout = {
+                "t": t, "ids": ids, "params": params, "topo": topo, "hier": hier,
+                "n": topo.cross_size if hier else topo.size, "local_idx": local_idx,
+                "buckets": buckets, "index": {pid: i for i, pid in enumerate(ids)},
+                "bucket_of": {i: b for b, bucket in enumerate(buckets) for i in bucket}}
+            return layout
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["staleness"] = torch.ones_like(p, memory_format=torch.contiguous_format)
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        """Gradient hook: count the pass; start the parameter's bucket once all of its
+        gradients are final."""
+        if not self._overlapping():
+            return
+        layout = self._step_layout()
+        i = layout["index"].get(id(p))
+        if i is None:
+            return
+        if self._passes.get(i, 0) >= self.backward_passes_per_step:
+            # another backward before step(): the last one's step was skipped, or gradients
+            # are being accumulated; start over from the gradients as they are now
+            self._discard()
+        self._passes[i] = self._passes.get(i, 0) + 1
+        if self._passes[i] < self.backward_passes_per_step:
+            return
+        b = layout["bucket_of"][i]
+        self._ready[b] = self._ready.get(b, 0) + 1
+        if self._ready[b] == len(layout["buckets"][b]):
+            self._launch(layout, b)
+
+    def _discard(self) -> None:
+        """Forget this step's bucket work (waiting for what is in flight: it is collective)."""
+        inflight, self._inflight = self._inflight, {}
+        for handle in inflight.values():
+            if hasattr(handle, "wait"):
+                handle.wait()
+        self._passes, self._ready = {}, {}
+
+    def _launch(self, layout: Dict[str, Any], b: int) -> None:
+        """Lines 5 (hierarchical), 7, 8 and 9 for bucket ``b``: in the background when
+        overlapping, else now."""
+        params = layout["params"]
+        members = layout["buckets"][b]
+        grads = []
+        for i in members:
+            p = params[i][0]
+            grads.append(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+            if grads[-1].is_sparse:
+                raise RuntimeError("SLAMB does not support sparse gradients")
+        spares = []
+        for i in members:
+            p = params[i][0]
+            spare = self._spare.get(id(p))
+            if spare is None or spare.shape != p.shape:
+                spare = self._spare[id(p)] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            spares.append(spare)
+        work = self._bucket_work(layout, members, grads, spares)
+        name = f"sync.{b}"
+        if self._topology is not None:
+            self._inflight[b] = work(self._topology)
+        elif self._overlapping():
+            self._inflight[b] = context.current().submit(f"{self._name}.{name}", work)
+        else:
+            self._inflight[b] = context.current().execute(f"{self._name}.{name}", work)
+
+    def _bucket_work(self, layout, members, grads, spares) -> Callable[[Topology], tuple]:
+        """fn(topology) -> (grads as used by line 10, new momenta, bytes across, bytes in node).
+        Reads the state but writes only ``spares`` and its own copies of the gradients."""
+        params, local_idx, hier, n = (layout["params"], layout["local_idx"], layout["hier"],
+                                      layout["n"])
+
+        @torch.no_grad()
+        def work(topo: Topology):
+            gs = grads
+            node_bytes = 0
+            if hier:   # Appendix E: full average inside the node first
+                gs = [g.contiguous().clone() for g in gs]
+                node_bytes = flat_average_(gs, topo.local, topo.local_size)
+            elif self.sync_gradients:   # line 9 rewrites g: never the user's .grad
+                gs = [g.clone(memory_format=torch.contiguous_format) for g in gs]
+            for i, g, spare in zip(members, gs, spares):                  # line 7
+                p, group = params[i]
+                beta1 = group["betas"][0]
+                torch.mul(self.state[p]["exp_avg"], beta1, out=spare).add_(g, alpha=1.0 - beta1)
+            entries = [(spare.view(-1), local_idx[i]) for i, spare in zip(members, spares)]
+            if self.sync_gradients:
+                entries += [(g.view(-1), local_idx[i]) for i, g in zip(members, gs)]
+            sent = 0
+            if n > 1:                                                       # lines 8-9
+                sent = (masked_average_(entries, topo.cross, n, shard_over=topo.local) if hier
+                        else masked_average_(entries, topo.world, n))
+            return gs, spares, sent, node_bytes
+
+        return work
+
     # --- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -171,55 +358,35 @@ class SLAMB(torch.optim.Optimizer):
         params = self._params()
         if not params:
             return loss
-        t = self._step + 1
-        topo = self._topo()
-        hier = self._uses_hierarchy(topo)
-        n = topo.cross_size if hier else topo.size
-        # A parameter without a gradient on this rank takes part with zeros (as in Horovod), so
-        # every rank sends the same layout.
-        grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p)
-                 for p, _ in params]
-        if any(g.is_sparse for g in grads):
-            raise RuntimeError("SLAMB does not support sparse gradients")
-        for p, _ in params:
+        layout = self._step_layout()
+        t = layout["t"]
+        for b in range(len(layout["buckets"])):    # buckets no hook started (or no overlap)
+            if b not in self._inflight:
+                self._launch(layout, b)
+        grads: List[Optional[torch.Tensor]] = [None] * len(params)
+        start = time.perf_counter()
+        try:
+            for b, members in enumerate(layout["buckets"]):
+                result = self._inflight[b]
+                gs, momenta, sent, node_bytes = result.wait() if hasattr(result, "wait") else result
+                self.last_step_bytes += sent
+                self.last_step_node_bytes += node_bytes
+                for i, g, m in zip(members, gs, momenta):
+                    p = params[i][0]
+                    grads[i] = g
+                    # the new momentum takes the old one's place; the old one is the next spare
+                    self._spare[id(p)] = self.state[p]["exp_avg"]
+                    self.state[p]["exp_avg"] = m
+        finally:
+            self._inflight, self._passes, self._ready = {}, {}, {}
+        waited = time.perf_counter() - start
+        self.last_comm_seconds += waited
+        self.comm_seconds += waited
+        self.bytes_sent += self.last_step_bytes
+        n = layout["n"]
+        for (p, group), g, i in zip(params, grads, layout["local_idx"]):
             state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                state["staleness"] = torch.ones_like(p, memory_format=torch.contiguous_format)
             state["step"] += 1
-
-        if hier:   # Appendix E: full average inside the node first
-            grads = [g.contiguous().clone() for g in grads]
-            self._run("node_grads", lambda tp: flat_average_(grads, tp.local, tp.local_size),
-                      across_nodes=False)
-
-        for (p, group), g in zip(params, grads):           # line 7
-            beta1, _ = group["betas"]
-            self.state[p]["exp_avg"].mul_(beta1).add_(g, alpha=1.0 - beta1)
-
-        # Line 6: one mask over the concatenation of the masked tensors.
-        full = [syncs_in_full(p.shape, self.small_tensor_numel) for p, _ in params]
-        sparse_sizes = [p.numel() for (p, _), f in zip(params, full) if not f]
-        device = params[0][0].device
-        idx = random_k_indices(sum(sparse_sizes), self.ratio, self.seed, t, "SLAMB", device)
-        pieces = iter(split_indices(idx, sparse_sizes))
-        local_idx = [None if f else next(pieces).to(p.device) for (p, _), f in zip(params, full)]
-
-        # Lines 8-9 in one allreduce: momentum and, optionally, gradients.
-        if self.sync_gradients and not hier:    # line 9 rewrites g: never the user's .grad
-            grads = [g.clone(memory_format=torch.contiguous_format) for g in grads]
-        entries = [(self.state[p]["exp_avg"].view(-1), i) for (p, _), i in zip(params, local_idx)]
-        if self.sync_gradients:
-            entries += [(g.view(-1), i) for g, i in zip(grads, local_idx)]
-        if n > 1:
-            self._run("sync", lambda tp: masked_average_(
-                entries, tp.cross, n, shard_over=tp.local) if hier else
-                masked_average_(entries, tp.world, n))
-
-        for (p, group), g, i in zip(params, grads, local_idx):
-            state = self.state[p]
             beta1, beta2 = group["betas"]
             state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)   # line 10
             c = state["staleness"]                                               # line 13
@@ -231,7 +398,6 @@ class SLAMB(torch.optim.Optimizer):
                             beta1, beta2, group["eps"], group["weight_decay"],
                             group["bias_correction"], group["eps_inside_sqrt"])
             p.addcmul_(u, self._coefficients(p, u, c, i, group, n), value=-1.0)      # 14-19
-
         self._step = t
         self._since_sync += 1
         if self._since_sync >= self.sync_interval or t == self.total_steps:          # 21-22
@@ -290,6 +456,8 @@ class SLAMB(torch.optim.Optimizer):
         if extra is None:
             raise ValueError("not a SLAMB state dict (no 'slamb' entry with the step and the "
                              "position in the model-sync cycle)")
+        self._discard()
         super().load_state_dict(state_dict)
+        self._layout = None
         self._step = int(extra["step"])
         self._since_sync = int(extra["since_sync"])

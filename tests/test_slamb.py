@@ -54,8 +54,12 @@ SLAMB_CONFIGS = {
                           weight_decay=0.01),
     "k1_algorithm": dict(ratio=1.0, sync_interval=1, sync_gradients=True, scaling="algorithm",
                          min_coeff=0.0, max_coeff=math.inf),
+    # small buckets: each large weight is synchronised on its own while backward goes on
     "sparse_algorithm": dict(ratio=K, sync_interval=H, scaling="algorithm", weight_decay=0.01,
-                             max_coeff=10.0),
+                             max_coeff=10.0, bucket_bytes=20000),
+    # the same without overlap: everything in step(), one allreduce
+    "sparse_algorithm_in_step": dict(ratio=K, sync_interval=H, scaling="algorithm",
+                                     weight_decay=0.01, max_coeff=10.0, overlap=False),
     "sparse_simplified_gsync": dict(ratio=K, sync_interval=H, scaling="simplified",
                                     sync_gradients=True),
 }
@@ -63,14 +67,25 @@ COMMON = dict(lr=0.02, betas=(0.9, 0.999), beta3=0.93, eps=1e-6)
 
 
 # --- what every rank runs ------------------------------------------------------------------------
-def _train(opt_factory, steps, rank, snapshots=()):
+def _train(opt_factory, steps, rank, snapshots=(), mode="plain"):
+    """``mode``: "plain"; "skip": each step follows a backward whose step() was skipped (as
+    GradScaler does on an inf); "accumulate": each step's gradient from two backward passes
+    over the batch's halves."""
     model = make_model()
     opt = opt_factory(model)
     snaps = {}
+    loss = torch.nn.functional.mse_loss
     for t in range(1, steps + 1):
         opt.zero_grad()
         x, y = batch(rank, t)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        if mode == "skip":
+            loss(model(x + 1.0), y).backward()      # a step that never happens
+            opt.zero_grad()
+        if mode == "accumulate":
+            for half in (slice(0, 8), slice(8, 16)):
+                (loss(model(x[half]), y[half]) / 2).backward()
+        else:
+            loss(model(x), y).backward()
         opt.step()
         if t in snapshots:
             snaps[t] = [p.detach().clone() for p in model.parameters()]
@@ -105,6 +120,15 @@ def body_everything():
                              STEPS, r, snapshots=range(1, STEPS + 1))
         out[name] = snaps
         out[name + "_bytes"] = o.last_step_bytes, o.bytes_sent, o.last_synced_model
+    # Overlap with backward keeps the semantics of step(): a skipped step changes nothing,
+    # accumulated gradients count once, with or without backward_passes_per_step.
+    variants = {"skip": ("skip", {}), "accumulate": ("accumulate", {}),
+                "accumulate_bpps": ("accumulate", {"backward_passes_per_step": 2})}
+    for name, (mode, extra) in variants.items():
+        _, _, out["variant_" + name] = _train(
+            lambda m: SLAMB(m.parameters(), hierarchical=False, **COMMON,
+                            **SLAMB_CONFIGS["sparse_algorithm"], **extra),
+            STEPS, r, snapshots=range(1, STEPS + 1), mode=mode)
     # Hierarchical SLAMB (np = 4, two nodes): node-averaged gradients, sparse across nodes.
     if hvd.size() == 4:
         _, o, out["hier"] = _train(lambda m: SLAMB(m.parameters(), **COMMON,
@@ -308,6 +332,7 @@ def _references(n, nodes):
                                           max_coeff=10.0),
             "sparse_simplified_gsync": ref_slamb(n, None, K, H, "simplified", True),
         }
+        refs["sparse_algorithm_in_step"] = refs["sparse_algorithm"]
         if nodes:
             refs["hier"] = ref_slamb(n, nodes, K, H, "algorithm", weight_decay=0.01,
                                      max_coeff=10.0)
@@ -374,6 +399,12 @@ def test_randomk_and_slamb(backend, np_):
                 assert same, f"{name}: ranks differ at step {t}"
         if not name.startswith("k1"):
             assert not all(torch.equal(a, b) for a, b in zip(res[0][name][1], res[1][name][1]))
+
+    for name in ("variant_skip", "variant_accumulate", "variant_accumulate_bpps"):
+        for t in range(1, STEPS + 1):
+            for r in range(np_):
+                assert close(res[r][name][t], refs["sparse_algorithm"][t][r]), \
+                    f"{name} step {t} rank {r}"
 
     # bytes of the last step (6 = a model-sync step): masked momentum (and gradients) + the
     # tensors synced in full + every parameter for the model sync

@@ -19,6 +19,10 @@ class CommContext:
     hierarchical_allreduce: bool
     # execute(name, fn): run fn(topology) on every rank as one negotiated request; fn's result
     execute: Callable[[str, Callable[[Topology], Any]], Any]
+    # submit(name, fn): the same without waiting: a handle whose wait() returns fn's result (or
+    # raises its error); fn runs on the engine's thread, so it must touch only data that the
+    # caller leaves alone until wait() returns
+    submit: Optional[Callable[[str, Callable[[Topology], Any]], Any]] = None
 
 
 _current: Optional[CommContext] = None
