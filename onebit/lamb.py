@@ -130,13 +130,19 @@ class OnebitLamb(OnebitOptimizer):
         m = state["exp_avg"]
         m.div_(state["scaling_coeff"].to(p.dtype))
         self._apply_mask(group, p, m)
-        grad = (m - m_prev * beta1) / (1.0 - beta1)
+        # m_prev is step()'s scratch copy: the reconstructed gradient may overwrite it
+        grad = m_prev.mul_(-beta1).add_(m).div_(1.0 - beta1)
         fresh, frozen = state["exp_avg_sq_fresh"], state["exp_avg_sq"]
         fresh.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        # line 17: max over elements of v_Tw / v_t (0/0 left out, x/0 is inf and gets clipped)
-        both_zero = (frozen == 0) & (fresh == 0)
-        ratio = torch.where(both_zero, torch.zeros_like(frozen), frozen / fresh)
-        r = ratio.max().to(torch.float32) if ratio.numel() else torch.ones(())
+        # line 17: max over elements of v_Tw / v_t.  Dividing by v_t clamped to the smallest
+        # normal number leaves 0/0 out (it gives 0) and turns x/0 into a huge ratio that lines
+        # 18-19 clip exactly as they clip inf; a NaN still shows.
+        if frozen.numel():
+            tiny = torch.finfo(fresh.dtype).tiny
+            ratio = torch.div(frozen, fresh.clamp(min=tiny), out=grad)
+            r = ratio.max().to(torch.float32)
+        else:
+            r = torch.ones(())
         last = state["last_factor"]
         r = torch.minimum(torch.maximum(r, last * (1.0 - self.factor_threshold)),
                           last * (1.0 + self.factor_threshold))
@@ -149,8 +155,8 @@ class OnebitLamb(OnebitOptimizer):
             denom = (frozen + group["eps"]).sqrt_()
         else:
             denom = frozen.sqrt().add_(group["eps"])
-        update = m / denom
+        update = torch.div(m, denom, out=denom)
         if group["weight_decay"] > 0.0:
             update.add_(p, alpha=group["weight_decay"])
         coeff = r * state["lamb_coeff_freeze"]
-        p.sub_(update * (coeff.to(update.dtype) * group["lr"]))
+        p.addcmul_(update, (coeff * group["lr"]).to(update.dtype), value=-1.0)
