@@ -46,6 +46,7 @@ starts the bucket again from the accumulated gradients (``backward_passes_per_st
 the wasted first sync).  The result is the same as without overlap (one allreduce per bucket
 instead of one per step: the same sums).
 """
+import ctypes
 import itertools
 import math
 import threading
@@ -56,13 +57,25 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from horovod_ext.backends import context
-from horovod_ext.backends.lamb import check_lamb_args, lamb_update, trust_ratio
+from horovod_ext.backends import native
+from horovod_ext.backends.lamb import (bias_corrections, check_lamb_args, lamb_update,
+                                       trust_ratio)
 from horovod_ext.backends.topology import Topology
 
 from .mask import random_k_indices, split_indices
 from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_, syncs_in_full
 
 SCALINGS = ("algorithm", "simplified")
+
+_P, _N, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_LIB = native.load("slamb._kernels", {
+    **{f"hx_slamb_moments_{t}": (_P, _P, _P, _P, _P, _N, _P, _N, _N, _D, _D, _D, _D, _D, _N, _D,
+                                 _P) for t in ("f32", "f64")},
+    **{f"hx_slamb_update_{t}": (_P, _P, _P, _P, _N, _N, _D, _D, _D, _N, _D, _D, _D, _D)
+       for t in ("f32", "f64")}})
+_KERNELS = {} if _LIB is None else {
+    dtype: (getattr(_LIB, f"hx_slamb_moments_{t}"), getattr(_LIB, f"hx_slamb_update_{t}"))
+    for dtype, t in ((torch.float32, "f32"), (torch.float64, "f64"))}
 
 
 def _remove_hooks(handles) -> None:
@@ -136,6 +149,8 @@ class SLAMB(torch.optim.Optimizer):
         self.last_synced_model = False
         # overlap with backward: buckets of parameter indices, hooks, work in flight this step
         self.overlap = bool(overlap)
+        # lines 10-19 through the C kernels where they apply (False: always the torch code)
+        self.native_kernels = True
         self.bucket_bytes = int(bucket_bytes)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._lock = threading.Lock()
@@ -387,6 +402,8 @@ class SLAMB(torch.optim.Optimizer):
         for (p, group), g, i in zip(params, grads, layout["local_idx"]):
             state = self.state[p]
             state["step"] += 1
+            if self.native_kernels and self._native_update(p, g, i, group, n):
+                continue
             beta1, beta2 = group["betas"]
             state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)   # line 10
             c = state["staleness"]                                               # line 13
@@ -408,17 +425,28 @@ class SLAMB(torch.optim.Optimizer):
                       idx: Optional[torch.Tensor], group: Dict[str, Any], n: int) -> torch.Tensor:
         """eta~ phi~ / ||u|| (algorithm) or eta~ phi~ (simplified): per element, or one 0-d
         tensor for a tensor synchronised in full (c = 1)."""
-        lo, hi = group["min_coeff"], group["max_coeff"]
-        lr = group["lr"]
         dtype = torch.promote_types(p.dtype, torch.float32)
         x_sq = torch.linalg.vector_norm(p, dtype=dtype).square()
         u_sq = torch.linalg.vector_norm(u, dtype=dtype).square()
         if idx is None:
-            xm_sq, um_sq, rest = x_sq, u_sq, 0
+            xm_sq, um_sq = x_sq, u_sq
         else:
             xm_sq = torch.linalg.vector_norm(p.view(-1).index_select(0, idx), dtype=dtype).square()
             um_sq = torch.linalg.vector_norm(u.view(-1).index_select(0, idx), dtype=dtype).square()
-            rest = p.numel() - idx.numel()
+        rest = 0 if idx is None else p.numel() - idx.numel()
+        a, b, cc = self._coefficient_terms(x_sq, u_sq, xm_sq, um_sq, rest, group, n)
+        if idx is None:     # c = 1 everywhere: eta~ phi~ = lr phi_max
+            return a.to(p.dtype)
+        coeff = torch.addcmul(b.to(p.dtype), c, cc.to(p.dtype))   # three passes over c
+        return coeff.mul_(c).add_(a.to(p.dtype))
+
+    def _coefficient_terms(self, x_sq, u_sq, xm_sq, um_sq, rest: int, group: Dict[str, Any],
+                           n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(a, b, cc) with eta~ phi~ = a + (b + cc c) c per element (0-d tensors), from the
+        squared norms of x and u over the tensor and over its selected elements; ``rest``: the
+        number of elements not selected (0 for a tensor synchronised in full: then b = cc = 0)."""
+        lo, hi = group["min_coeff"], group["max_coeff"]
+        lr = group["lr"]
         if rest:
             xn_sq, un_sq = (x_sq - xm_sq).clamp_(min=0), (u_sq - um_sq).clamp_(min=0)
         else:   # nothing unsynchronised: phi_min has weight 1 - c = 0, keep it finite
@@ -431,18 +459,41 @@ class SLAMB(torch.optim.Optimizer):
             u_norm = u_sq.sqrt()
             phi_max = trust_ratio(xm_sq.sqrt() * u_norm, um_sq.sqrt(), lo, hi)
             phi_min = trust_ratio(xn_sq.sqrt() * u_norm, un_sq.sqrt(), lo, hi)
-            scale = torch.where(u_norm > 0, 1.0 / u_norm.clamp(min=torch.finfo(dtype).tiny),
+            scale = torch.where(u_norm > 0, 1.0 / u_norm.clamp(min=torch.finfo(u_norm.dtype).tiny),
                                 torch.ones_like(u_norm))
         lr_n = lr / math.sqrt(n)
         phi_max, phi_min = phi_max * scale, phi_min * scale
-        if idx is None:     # c = 1 everywhere: eta~ phi~ = lr phi_max
-            return (phi_max * lr).to(p.dtype)
-        # eta~ phi~ = (lr_n + (lr - lr_n) c)(phi_min + (phi_max - phi_min) c) = A + (B + C c) c,
-        # three passes over c instead of six.
-        a = lr_n * phi_min
-        b = lr_n * (phi_max - phi_min) + (lr - lr_n) * phi_min
-        coeff = torch.addcmul(b.to(p.dtype), c, ((lr - lr_n) * (phi_max - phi_min)).to(p.dtype))
-        return coeff.mul_(c).add_(a.to(p.dtype))
+        if not rest:
+            zero = torch.zeros_like(phi_max)
+            return phi_max * lr, zero, zero
+        # eta~ phi~ = (lr_n + (lr - lr_n) c)(phi_min + (phi_max - phi_min) c)
+        return (lr_n * phi_min, lr_n * (phi_max - phi_min) + (lr - lr_n) * phi_min,
+                (lr - lr_n) * (phi_max - phi_min))
+
+    def _native_update(self, p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
+                       group: Dict[str, Any], n: int) -> bool:
+        """Lines 10-19 for one tensor in the C kernels' two passes; False (nothing done) where
+        they cannot take it (not built, not on the CPU, not contiguous float32/float64)."""
+        state = self.state[p]
+        m, v, c = state["exp_avg"], state["exp_avg_sq"], state["staleness"]
+        kernels = _KERNELS.get(p.dtype)
+        if (kernels is None or p.device.type != "cpu"
+                or any(t.dtype != p.dtype or not t.is_contiguous() for t in (p, g, m, v, c))):
+            return False
+        moments, update = kernels
+        beta1, beta2 = group["betas"]
+        bc1, bc2 = bias_corrections(state["step"], beta1, beta2, group["bias_correction"])
+        eps, inside, wd = group["eps"], int(group["eps_inside_sqrt"]), group["weight_decay"]
+        sums = torch.zeros(4, dtype=torch.float64)
+        full = idx is None
+        moments(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), c.data_ptr(), p.numel(),
+                None if full else idx.data_ptr(), 0 if full else idx.numel(), int(full),
+                beta2, group["beta3"], bc1, bc2, eps, inside, wd, sums.data_ptr())
+        rest = 0 if full else p.numel() - idx.numel()
+        a, b, cc = self._coefficient_terms(sums[0], sums[1], sums[2], sums[3], rest, group, n)
+        update(p.data_ptr(), m.data_ptr(), v.data_ptr(), c.data_ptr(), p.numel(), int(full),
+               bc1, bc2, eps, inside, wd, float(a), float(b), float(cc))
+        return True
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:

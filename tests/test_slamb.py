@@ -13,6 +13,7 @@ import torch
 
 from tests.harness import BACKENDS, run_ranks
 
+SCALINGS = ("algorithm", "simplified")
 TOL = 2e-5          # float32 results of a few steps, compared after different summation orders
 K = 0.3             # mask density used in the tests (enough selected and unselected elements)
 STEPS = 6
@@ -67,7 +68,7 @@ COMMON = dict(lr=0.02, betas=(0.9, 0.999), beta3=0.93, eps=1e-6)
 
 
 # --- what every rank runs ------------------------------------------------------------------------
-def _train(opt_factory, steps, rank, snapshots=(), mode="plain"):
+def _train(opt_factory, steps, rank, snapshots=(), mode="plain", dtype=torch.float32):
     """``mode``: "plain"; "skip": each step follows a backward whose step() was skipped (as
     GradScaler does on an inf); "accumulate": each step's gradient from two backward passes
     over the batch's halves."""
@@ -77,7 +78,7 @@ def _train(opt_factory, steps, rank, snapshots=(), mode="plain"):
     loss = torch.nn.functional.mse_loss
     for t in range(1, steps + 1):
         opt.zero_grad()
-        x, y = batch(rank, t)
+        x, y = (d.to(dtype) for d in batch(rank, t))
         if mode == "skip":
             loss(model(x + 1.0), y).backward()      # a step that never happens
             opt.zero_grad()
@@ -170,6 +171,35 @@ def body_size_one():
     sparse, o, _ = _train(lambda m: SLAMB(m.parameters(), **COMMON), 3, 0)
     finite = all(torch.isfinite(p).all() for p in sparse.parameters())
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters())), finite
+
+
+def body_kernels_match_torch():
+    """One process: lines 10-19 through the C kernels and through the torch code, every option
+    that changes the arithmetic, float32 and float64; the largest relative difference (norm of
+    the difference over norm) of the parameters and of v and c after 4 steps, per dtype."""
+    import itertools
+    import slamb.optimizer
+    from slamb import SLAMB
+    worst = {}
+    for dtype in (torch.float32, torch.float64):
+        for scaling, inside, bias, wd in itertools.product(SCALINGS, (False, True), (True, False),
+                                                           (0.0, 0.01)):
+            cfg = dict(COMMON, ratio=K, scaling=scaling, eps_inside_sqrt=inside,
+                       bias_correction=bias, weight_decay=wd, max_coeff=10.0)
+            out = []
+            for use_kernels in (True, False):
+                def factory(m, use_kernels=use_kernels):
+                    m.to(dtype)
+                    opt = SLAMB(m.parameters(), **cfg)
+                    opt.native_kernels = use_kernels
+                    return opt
+                model, opt, _ = _train(factory, 4, 0, dtype=dtype)
+                out.append([p.detach() for p in model.parameters()]
+                           + [opt.state[p][k] for p in model.parameters()
+                              for k in ("exp_avg_sq", "staleness")])
+            err = max(float((a - b).norm() / b.norm().clamp(min=1e-30)) for a, b in zip(*out))
+            worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
+    return slamb.optimizer._LIB is not None, worst
 
 
 # --- single-process references -------------------------------------------------------------------
@@ -431,6 +461,14 @@ def test_randomk_and_slamb(backend, np_):
                 assert all(torch.equal(x, y) for x, y in zip(res[a]["hier"][t], res[b]["hier"][t]))
 
     assert all(o["resume_bitwise"] for o in res)
+
+
+@pytest.mark.timeout(120)
+def test_c_kernels_match_torch_code():
+    built, worst = run_ranks(body_kernels_match_torch, 1, "gloo", timeout=100)[0]
+    assert built, "slamb C kernels not built (no C compiler at install?)"
+    # float32: the torch code's norms are float32, the kernels' float64
+    assert worst[str(torch.float32)] < 1e-6 and worst[str(torch.float64)] < 1e-12, worst
 
 
 @pytest.mark.timeout(60)
