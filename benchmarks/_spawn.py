@@ -176,3 +176,18 @@ def write_report(path: str, report) -> None:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {path}")
+
+
+def time_model_syncs(hvd, opt, count: int) -> Dict[str, float]:
+    """SLAMB's model sync (``opt.average_parameters()``) ``count`` times in a row, inside a
+    worker: its median time in seconds and the bytes it sends per sync."""
+    import statistics
+    import time
+    syncs, before = [], opt.bytes_sent
+    for _ in range(count):
+        hvd.barrier()
+        t0 = time.perf_counter()
+        opt.average_parameters()
+        syncs.append(time.perf_counter() - t0)
+    return {"model_sync_s": statistics.median(syncs),
+            "model_sync_bytes": (opt.bytes_sent - before) / count}

@@ -156,14 +156,7 @@ def worker(args):
         if in_lab:
             row["wire_bytes"] = statistics.median(wire)
         if method == "slamb":
-            syncs, before = [], opt.bytes_sent
-            for _ in range(args.syncs):
-                hvd.barrier()
-                t0 = time.perf_counter()
-                opt.average_parameters()
-                syncs.append(time.perf_counter() - t0)
-            row["model_sync_s"] = statistics.median(syncs)
-            row["model_sync_bytes"] = (opt.bytes_sent - before) / args.syncs
+            row.update(_spawn.time_model_syncs(hvd, opt, args.syncs))
         results["methods"][method] = row
         if rank == 0:
             print(f"    {method:<20} step {row['step_s'] * 1e3:8.0f} ms   "

@@ -82,14 +82,7 @@ def worker(args):
         elif method.startswith("slamb"):
             row["comm_s"] = statistics.median(samples["comm"])
             row["bytes"] = statistics.median(samples["bytes"])
-            syncs, before = [], opt.bytes_sent
-            for _ in range(args.syncs):
-                hvd.barrier()
-                t0 = time.perf_counter()
-                opt.average_parameters()
-                syncs.append(time.perf_counter() - t0)
-            row["model_sync_s"] = statistics.median(syncs)
-            row["model_sync_bytes"] = (opt.bytes_sent - before) / args.syncs
+            row.update(_spawn.time_model_syncs(hvd, opt, args.syncs))
         results["methods"][method] = row
     if r == 0:
         import json
