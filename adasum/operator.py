@@ -95,9 +95,7 @@ _KERNELS = {} if _LIB is None else {
 def _kernel(what: str, a: torch.Tensor, b: torch.Tensor):
     """The C kernel for these tensors, or None where the torch code must run."""
     kernel = _KERNELS.get((what, a.dtype))
-    if kernel is None or a.device.type != "cpu" or not (a.is_contiguous() and b.is_contiguous()):
-        return None
-    return kernel
+    return kernel if kernel is not None and native.takes(a.dtype, a, b) else None
 
 
 # Segments shorter than this are handled together, a run of neighbours at a time, with a few

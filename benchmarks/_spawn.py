@@ -191,3 +191,10 @@ def time_model_syncs(hvd, opt, count: int) -> Dict[str, float]:
         syncs.append(time.perf_counter() - t0)
     return {"model_sync_s": statistics.median(syncs),
             "model_sync_bytes": (opt.bytes_sent - before) / count}
+
+
+def read_report(path: str):
+    """A benchmark's JSON report, as ``write_report`` wrote it (for ``--plot``)."""
+    import json
+    with open(path) as f:
+        return json.load(f)

@@ -394,9 +394,7 @@ def main():
         return worker(args)
     stem = os.path.splitext(args.plot or args.out)[0]
     if args.plot:
-        import json
-        with open(args.plot) as f:
-            report = json.load(f)
+        report = _spawn.read_report(args.plot)
         print_tables(report)
         return plot(report, stem)
     methods = args.methods.split(",")

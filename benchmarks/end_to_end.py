@@ -350,9 +350,7 @@ def main():
         return worker(args)
     stem = os.path.splitext(args.plot or args.out)[0]
     if args.plot:
-        import json
-        with open(args.plot) as f:
-            return plot(json.load(f), stem)
+        return plot(_spawn.read_report(args.plot), stem)
     if args.quick:
         args.steps, args.warmup, args.syncs = 2, 1, 1
         if args.settings == ",".join(SETTINGS):

@@ -49,21 +49,22 @@ _LIB = native.load("onebit._kernels", {
        for t in ("f32", "f64")},
     **{f"hx_onebit_decompress_{t}": (_P, _N, _P, _N, _P, _P) for t in ("f32", "f64")},
     **{f"hx_onebit_settle_{t}": (_P, _N, _P, _N, _P) for t in ("f32", "f64")}})
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+# (phase, dtype) -> kernel
+_KERNELS = {} if _LIB is None else {
+    (phase, dtype): getattr(_LIB, f"hx_onebit_{phase}_{t}")
+    for phase in ("compress", "decompress", "settle")
+    for dtype, t in ((torch.float32, "f32"), (torch.float64, "f64"))}
 
 
-def _native(*tensors: Optional[torch.Tensor]) -> Optional[str]:
-    """The kernels' type suffix when they can take these tensors (the first one's dtype; all on
-    the CPU and contiguous), else None: the torch code runs."""
-    if _LIB is None:
+def _native(phase: str, data: Sequence[Optional[torch.Tensor]],
+            packed: Sequence[torch.Tensor] = ()):
+    """The C kernel of ``phase`` when it can take these tensors (``data``: float32 or float64
+    like the first; ``packed``: bytes of signs), else None: the torch code runs."""
+    kernel = _KERNELS.get((phase, data[0].dtype))
+    if kernel is None or not (native.takes(data[0].dtype, *data)
+                              and native.takes(torch.uint8, *packed)):
         return None
-    suffix = _SUFFIX.get(tensors[0].dtype)
-    if suffix is None:
-        return None
-    for t in tensors:
-        if t is not None and (t.device.type != "cpu" or not t.is_contiguous()):
-            return None
-    return suffix
+    return kernel
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -273,10 +274,10 @@ def settle_error_(error: torch.Tensor, scales: torch.Tensor, lengths: Sequence[i
     ``error`` holds a compensated tensor that was compressed with ``scales``."""
     ws = ws or default_workspace()
     plan = ws.plan(error.numel(), lengths, error.device)
-    suffix = _native(error)
-    if suffix:
+    kernel = _native("settle", [error])
+    if kernel is not None:
         s = scales.to(error.dtype).contiguous()
-        getattr(_LIB, f"hx_onebit_settle_{suffix}")(
+        kernel(
             error.data_ptr(), error.numel(), plan.lengths_i64.data_ptr(), len(plan.lengths),
             s.data_ptr())
         return error
@@ -305,8 +306,7 @@ def compensate_compress_(error: torch.Tensor, lengths: Sequence[int], out: torch
     dtype = error.dtype
     sdtype = scale_dtype(dtype)
     plan = ws.plan(error.numel(), lengths, error.device)
-    if (_native(error, dense, out, *(signs for signs, _ in packed))
-            and (dense is None or dense.dtype == dtype)):
+    if _native("compress", [error, dense], [out, *(signs for signs, _ in packed)]) is not None:
         return _compress_native(error, error, plan, out, pending=pending, dense=dense,
                                 packed=packed, divisor=divisor)
     norms = ws.get("norms", plan.slots, sdtype, error.device)
@@ -355,7 +355,7 @@ def _compress_native(src: torch.Tensor, dst: Optional[torch.Tensor], plan: Plan,
                              for _, s in packed]).contiguous()
         signs = (ctypes.c_void_p * len(packed))(*[t.data_ptr() for t, _ in packed])
     sumsq = torch.zeros(nseg, dtype=torch.float64)
-    getattr(_LIB, f"hx_onebit_compress_{_SUFFIX[dtype]}")(
+    _KERNELS[("compress", dtype)](
         src.data_ptr(), _ptr(dst), src.numel(), plan.lengths_i64.data_ptr(), nseg, _ptr(pend),
         _ptr(dense), len(packed), signs, _ptr(parts), int(normalise), out.data_ptr(),
         sumsq.data_ptr())
@@ -366,10 +366,10 @@ def decompress_into(packed: torch.Tensor, scales: torch.Tensor, lengths: Sequenc
                     out: torch.Tensor, ws: Workspace) -> torch.Tensor:
     """``sign * scale`` of the flat ``out`` (its dtype), segment ``i`` scaled by ``scales[i]``."""
     plan = ws.plan(out.numel(), lengths, out.device)
-    suffix = _native(out, packed)
-    if suffix:
+    kernel = _native("decompress", [out], [packed])
+    if kernel is not None:
         s = scales.to(out.dtype).contiguous()
-        getattr(_LIB, f"hx_onebit_decompress_{suffix}")(
+        kernel(
             packed.data_ptr(), out.numel(), plan.lengths_i64.data_ptr(), len(plan.lengths),
             s.data_ptr(), out.data_ptr())
         return out
@@ -435,7 +435,7 @@ def compress(x: torch.Tensor, lengths: Optional[Sequence[int]] = None,
     if out is None:
         out = torch.empty(packed_bytes(x.numel()), dtype=torch.uint8, device=x.device)
     plan = ws.plan(x.numel(), lengths, x.device)
-    if _native(x, out):
+    if _native("compress", [x], [out]) is not None:
         return out, _compress_native(x, None, plan, out, normalise=True)
     norms = ws.get("norms", plan.slots, scale_dtype(x.dtype), x.device)
     for lo, hi, pieces in plan.blocks:

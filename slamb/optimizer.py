@@ -477,8 +477,7 @@ class SLAMB(torch.optim.Optimizer):
         state = self.state[p]
         m, v, c = state["exp_avg"], state["exp_avg_sq"], state["staleness"]
         kernels = _KERNELS.get(p.dtype)
-        if (kernels is None or p.device.type != "cpu"
-                or any(t.dtype != p.dtype or not t.is_contiguous() for t in (p, g, m, v, c))):
+        if kernels is None or not native.takes(p.dtype, p, g, m, v, c):
             return False
         moments, update = kernels
         beta1, beta2 = group["betas"]

@@ -10,6 +10,8 @@ import importlib.util
 import os
 from typing import Dict, Optional, Sequence
 
+import torch
+
 ENV = "HOROVOD_NATIVE_KERNELS"
 
 
@@ -43,3 +45,10 @@ def load(module: str, signatures: Dict[str, Sequence]) -> Optional[ctypes.CDLL]:
     except (OSError, AttributeError):  # a stale or foreign build: the torch code still works
         return None
     return lib
+
+
+def takes(dtype: torch.dtype, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a CPU kernel can work on ``tensors`` in place: all (None skipped) contiguous on
+    the CPU with ``dtype``."""
+    return all(t is None or (t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous())
+               for t in tensors)
