@@ -3,8 +3,9 @@
     python benchmarks/adasum.py              # the whole matrix
     python benchmarks/adasum.py --quick      # 3 sizes, np=2, shorter runs
 
-Both ops reduce the same float32 buffer in place (hvd.allreduce_), taking turns call by call so
-that drift on a shared machine hits both alike; the table gives medians and the ratio
+Both ops reduce the same float32 values in place (hvd.allreduce_, the buffer refilled before
+each call, outside the timing), taking turns call by call so that drift on a shared machine hits
+both alike; the table gives medians and the ratio
 Adasum / Sum.  JSON goes to ``--out``.
 """
 import os
@@ -28,9 +29,13 @@ def worker(args):
     rows = []
     for size in args.sizes:
         g = torch.Generator().manual_seed(hvd.rank())
-        buf = torch.randn(size // 4, generator=g)
+        gradient = torch.randn(size // 4, generator=g)
+        buf = gradient.clone()
 
         def call(op):
+            # Every call reduces the same fresh values, as a step reduces fresh gradients
+            # (reducing the result again would double it under Sum until it overflows).
+            buf.copy_(gradient)
             t0 = time.perf_counter()
             hvd.allreduce_(buf, op=ops[op], name=f"bench.{op}")
             return time.perf_counter() - t0

@@ -172,7 +172,11 @@ def test_c_kernels_match_torch_code():
             torch_out = adasum_pair_(a.clone(), b, LayerMap(bounds))
         finally:
             operator._KERNELS = kernels
-        assert torch.allclose(native_dots, torch_dots, rtol=1e-12, atol=1e-9), dtype
+        # float32 products are summed in float32 over short blocks by the kernel (1e-9 here):
+        # errors are measured against max(|a|^2, |b|^2) per layer, which bounds every entry.
+        scale = torch_dots[:, 1:].amax(dim=1).clamp_min(1.0).unsqueeze(1)
+        dots_tol = 1e-7 if dtype == torch.float32 else 1e-12
+        assert ((native_dots - torch_dots).abs() / scale).max() < dots_tol, dtype
         tol = 1e-6 if dtype == torch.float32 else 1e-13
         assert rel_err([native], [torch_out]) < tol, dtype
         assert torch.equal(native[3:5003], a[3:5003])
