@@ -47,6 +47,7 @@ def _choice(*options):
 class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # bytes; 0 disables fusion
     fusion_max_tensor_bytes: int = 1024 * 1024  # larger requests are reduced on their own
+    gradient_bucket_bytes: int = 25 * 1024 * 1024  # DistributedOptimizer buckets; 0: none
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -72,6 +73,9 @@ class Config:
             fusion_max_tensor_bytes=_get(env, "HOROVOD_FUSION_MAX_TENSOR_BYTES",
                                          cls.fusion_max_tensor_bytes, int, non_negative,
                                          "a non-negative number of bytes"),
+            gradient_bucket_bytes=_get(env, "HOROVOD_GRADIENT_BUCKET_BYTES",
+                                       cls.gradient_bucket_bytes, int, non_negative,
+                                       "a non-negative number of bytes"),
             cycle_time_ms=_get(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms, float, non_negative,
                                "a non-negative number of milliseconds"),
             cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,

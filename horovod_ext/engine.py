@@ -13,7 +13,10 @@ that dies or goes silent fails every pending request within the communication ti
 Cycle timing: with requests waiting, a rank runs a cycle every HOROVOD_CYCLE_TIME ms so that
 tensors submitted close together are fused; a request submitted while the rank was idle, or one
 that a caller is blocked on, starts a cycle at once, which keeps a lone synchronous call's latency
-near one network round trip.  Idle ranks cycle every ``IDLE_CYCLE_S`` to serve their peers.
+near one network round trip.  Requests submitted with ``wake=NEXT_CYCLE`` (gradients from
+backward hooks) start a cycle one cycle time after the first of them arrives: later gradients
+of the same backward pass join it, and the reductions overlap the rest of the backward pass.
+Idle ranks cycle every ``IDLE_CYCLE_S`` to serve their peers.
 """
 import logging
 import pickle
@@ -35,6 +38,7 @@ from .ops import average_, get_op, scale_
 log = logging.getLogger("horovod_ext")
 
 IDLE_CYCLE_S = 0.01
+NEXT_CYCLE = "next_cycle"   # submit(wake=...): run within one cycle time, batched with others
 JOIN_NAME = "__horovod_ext_join__"
 
 
@@ -183,13 +187,16 @@ class Engine:
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._cycle_s = config.cycle_time_ms / 1000.0
         self._last_end = 0.0
+        self._not_before = 0.0   # NEXT_CYCLE requests: no cycle before this (monotonic s)
         self._thread = threading.Thread(target=self._run, name="horovod_ext-engine", daemon=True)
         self._thread.start()
 
     # --- called from user threads -------------------------------------------------------------
-    def submit(self, request: Request, wake: bool = True) -> Handle:
+    def submit(self, request: Request, wake=True) -> Handle:
         """Queue ``request``.  ``wake=False`` when the caller synchronizes at once: it will run
-        the first cycle itself, and waking the background thread would only contend with it."""
+        the first cycle itself, and waking the background thread would only contend with it.
+        ``wake=NEXT_CYCLE``: the background thread runs it one cycle time after the first such
+        request reaching an idle rank, with whatever else arrived meanwhile."""
         request.handle = Handle(request.name, self)
         request.meta = request.describe()
         with self._cond:
@@ -202,7 +209,10 @@ class Engine:
                                  f"{self.rank}; names must be unique until they complete")
             was_idle = not self._new and not self._local
             self._new.append(request)
-            if was_idle and wake:
+            if was_idle and wake == NEXT_CYCLE:
+                self._not_before = time.monotonic() + self._cycle_s
+                self._cond.notify()
+            elif was_idle and wake:
                 self._cond.notify()
         if self.size == 1:  # nothing to negotiate: complete it now, on the caller's thread
             with self._cycle_lock:
@@ -288,12 +298,15 @@ class Engine:
         # cycle moved things along (peers are active and may complete ours).
         if busy and self._waiters > 0 and (self._new or self._last_round_active):
             return True
-        return time.monotonic() >= self._last_end + (self._cycle_s if busy else IDLE_CYCLE_S)
+        return time.monotonic() >= self._next_cycle_at(busy)
+
+    def _next_cycle_at(self, busy: bool) -> float:
+        if busy:
+            return max(self._last_end + self._cycle_s, self._not_before)
+        return self._last_end + IDLE_CYCLE_S
 
     def _sleep_time(self) -> float:
-        busy = bool(self._new or self._local)
-        return max(0.0, self._last_end + (self._cycle_s if busy else IDLE_CYCLE_S)
-                   - time.monotonic())
+        return max(0.0, self._next_cycle_at(bool(self._new or self._local)) - time.monotonic())
 
     def _cycle(self, new: List[Request], shutdown: bool) -> bool:
         """One negotiation and execution round; True when the engine should stop."""

@@ -118,6 +118,105 @@ def body_cases():
     return "ok"
 
 
+@pytest.mark.timeout(180)
+def test_small_gradient_buckets():
+    """Buckets of at most 200 bytes: several per model, small tensors sharing one, a bigger
+    tensor alone; the same results as the reference."""
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "200"}
+    assert run_ranks(body_cases, 2, "gloo", env=env) == ["ok"] * 2
+
+
+def test_bucket_plan():
+    """Reverse parameter order, split by size and by dtype; a bigger tensor gets its own."""
+    from horovod_ext.torch.buckets import plan
+    params = [torch.zeros(10), torch.zeros(30), torch.zeros(5), torch.zeros(4, dtype=torch.float64),
+              torch.zeros(3, dtype=torch.float64)]
+    buckets = plan(params, cap=100)   # bytes
+    assert [[p.numel() for p in b.params] for b in buckets] == [[3, 4], [5], [30], [10]]
+    assert [b.flat.dtype for b in buckets] == [torch.float64] + [torch.float32] * 3
+    assert [b.index for b in buckets] == [0, 1, 2, 3]
+    # the views are the parameters' shapes, back to back in the flat buffer
+    b = buckets[0]
+    assert b.views[id(params[4])].data_ptr() == b.flat.data_ptr()
+    assert b.views[id(params[3])].data_ptr() == b.flat.data_ptr() + 3 * 8
+
+
+def test_bucket_adopts_whatever_gradient_it_finds():
+    """None -> zeros, a foreign tensor -> copied in, a sparse one -> densified or refused;
+    afterwards .grad is the bucket's slice."""
+    from horovod_ext.torch.buckets import Bucket
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    b = Bucket(0, [p])
+    b.flat.fill_(7.0)
+    b.adopt(p, sparse_ok=False, name="w")
+    assert torch.equal(p.grad, torch.zeros(2, 3)) and p.grad.data_ptr() == b.flat.data_ptr()
+    p.grad = torch.ones(2, 3)
+    b.adopt(p, sparse_ok=False, name="w")
+    assert torch.equal(b.flat, torch.ones(6)) and p.grad.data_ptr() == b.flat.data_ptr()
+    p.grad.add_(1.0)                       # in place on the slice: stays the slice
+    b.adopt(p, sparse_ok=False, name="w")
+    assert torch.equal(b.flat, torch.full((6,), 2.0))
+    sparse = torch.sparse_coo_tensor([[0], [1]], [5.0], (2, 3), check_invariants=True)
+    p.grad = sparse
+    with pytest.raises(ValueError, match="sparse gradient for w"):
+        b.adopt(p, sparse_ok=False, name="w")
+    b.adopt(p, sparse_ok=True, name="w")
+    assert b.flat.tolist() == [0, 5, 0, 0, 0, 0]
+
+
+def body_bucket_views():
+    """Gradients live in the buckets across steps; a user's set_to_none zero_grad, a replaced
+    .grad and a second backward before step() are handled."""
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    model, opt = make("sgd")
+    ref_model, ref_opt = make("sgd")
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    buckets = opt._hvd["buckets"]
+    assert len(buckets) == 1 and len(buckets[0].params) == 6
+    lossf = torch.nn.CrossEntropyLoss()
+    for step in range(4):
+        if step == 2:
+            model.zero_grad(set_to_none=True)    # the module's zero_grad, not the optimizer's
+        else:
+            opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = data(step, 0, n)
+        mine = slice(r * BATCH, (r + 1) * BATCH)
+        lossf(model(x[mine].double()), y[mine]).backward()
+        if step == 3:
+            model.fc1.bias.grad = model.fc1.bias.grad.clone()   # a user's own tensor
+        ref = sum(lossf(ref_model(x[k * BATCH:(k + 1) * BATCH].double()),
+                        y[k * BATCH:(k + 1) * BATCH]) for k in range(n)) / n
+        ref.backward()
+        for q in ref_model.parameters():
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        opt.step()
+        ref_opt.step()
+        lo = buckets[0].flat.data_ptr()
+        hi = lo + buckets[0].flat.numel() * 8
+        assert all(lo <= p.grad.data_ptr() < hi for p in model.parameters()), step
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9)
+    opt.zero_grad()
+    x, y = data(9, 0, n)
+    lossf(model(x[:BATCH].double()), y[:BATCH]).backward()
+    try:
+        lossf(model(x[:BATCH].double()), y[:BATCH]).backward()
+        again = None
+    except RuntimeError as exc:
+        again = str(exc)
+    opt.synchronize()
+    return again
+
+
+@pytest.mark.timeout(120)
+def test_gradients_live_in_buckets():
+    for message in run_ranks(body_bucket_views, 2, "gloo"):
+        assert message is not None and "computed again before step()" in message
+
+
 def body_bad_names():
     import horovod_ext.torch as hvd
     model, opt = make("sgd")

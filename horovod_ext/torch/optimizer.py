@@ -19,7 +19,11 @@ import contextlib
 from typing import Dict, List
 import torch
 
-from ..ops import Average, get_op
+from .. import runtime
+from ..config import Config
+from ..engine import NEXT_CYCLE
+from ..ops import Average, ElementwiseOp, get_op
+from . import buckets as _buckets
 from .compression import Compression
 from .mpi_ops import (global_process_set, grouped_allreduce_async_, synchronize as _wait,
                       allreduce_async_)
@@ -63,7 +67,8 @@ class _DistributedMixin:
             "process_set": process_set,
             "sparse_as_dense": sparse_as_dense,
             "counts": {},        # id(param) -> backward passes since the last reduction
-            "handles": {},       # id(param) or group index -> (handle, params, contexts)
+            # id(param), group key or ("bucket", i) -> (handle, params, targets, wires, contexts)
+            "handles": {},
             "synchronized": False,
             "skip_sync": False,
             "hooks": [],
@@ -80,9 +85,24 @@ class _DistributedMixin:
         self._hvd["group_ready"] = {gi: [] for gi in members}
         self._hvd["delta"] = bool(getattr(self._hvd["op"], "wants_delta",
                                           lambda opt: False)(self))
+        self._hvd["buckets"] = self._hvd_plan_buckets(groups)
+        self._hvd["bucket_of"] = {id(p): b for b in self._hvd["buckets"] for p in b.params}
         if not self._hvd["delta"]:
             for p in self._hvd["params"]:
                 self._hvd["hooks"].append(p.register_post_accumulate_grad_hook(self._hvd_hook))
+
+    def _hvd_plan_buckets(self, groups) -> List[_buckets.Bucket]:
+        """Gradient buckets (see buckets.py) where they change nothing but speed: an
+        elementwise op (per-layer ops such as Adasum or 1-bit need tensor boundaries), no
+        explicit ``groups``, no delta mode, fusion on."""
+        h = self._hvd
+        config = runtime.state.config or Config.from_env()
+        if (groups is not None or h["delta"] or not isinstance(h["op"], ElementwiseOp)
+                or min(config.fusion_threshold, config.gradient_bucket_bytes) == 0
+                or not h["params"] or not _buckets.eligible(h["params"])):
+            return []
+        return _buckets.plan(h["params"],
+                             min(config.fusion_threshold, config.gradient_bucket_bytes))
 
     def _hvd_groups(self, groups):
         """param id -> group index, from an int (that many groups) or lists of parameters."""
@@ -123,6 +143,15 @@ class _DistributedMixin:
 
     def _hvd_submit(self, p):
         h = self._hvd
+        bucket = h["bucket_of"].get(id(p))
+        if bucket is not None:
+            if id(p) in bucket.ready:
+                raise RuntimeError(self._hvd_again_message([p]))
+            bucket.adopt(p, h["sparse_as_dense"], h["names"][id(p)])
+            bucket.ready.add(id(p))
+            if len(bucket.ready) == len(bucket.params):
+                self._hvd_reduce_bucket(bucket)
+            return
         gi = h["groups"].get(id(p))
         if gi is not None:
             pending = h["group_ready"][gi]
@@ -133,12 +162,27 @@ class _DistributedMixin:
             return
         self._hvd_reduce(id(p), [p], group=False)
 
+    def _hvd_again_message(self, params) -> str:
+        names = [self._hvd["names"][id(p)] for p in params]
+        return (f"gradients of {names} were computed again before step(): call "
+                f"optimizer.synchronize() first, or raise backward_passes_per_step")
+
+    def _hvd_reduce_bucket(self, bucket):
+        h = self._hvd
+        key = ("bucket", bucket.index)
+        if key in h["handles"]:
+            raise RuntimeError(self._hvd_again_message(bucket.params))
+        wire, ctx = h["compression"].compress(bucket.flat)
+        pre, post = self._hvd_scales()
+        handle = allreduce_async_(wire, name=f"DistributedOptimizer.bucket.{bucket.index}",
+                                  op=h["op"], prescale_factor=pre, postscale_factor=post,
+                                  process_set=h["process_set"], _wake=NEXT_CYCLE)
+        h["handles"][key] = (handle, bucket.params, [bucket.flat], [wire], [ctx])
+
     def _hvd_reduce(self, key, params, group):
         h = self._hvd
         if key in h["handles"]:
-            raise RuntimeError(
-                f"gradients of {[h['names'][id(p)] for p in params]} were computed again before "
-                f"step(): call optimizer.synchronize() first, or raise backward_passes_per_step")
+            raise RuntimeError(self._hvd_again_message(params))
         wires, ctxs = [], []
         for p in params:
             if p.grad is None:
@@ -154,17 +198,19 @@ class _DistributedMixin:
         pre, post = self._hvd_scales()
         name = (f"DistributedOptimizer.{key}" if group else
                 f"DistributedOptimizer.{h['names'][id(params[0])]}")
-        # _wake=False: gradients wait for the next cycle instead of waking the engine, which
-        # gives fewer, larger fused reductions; step() starts the last cycle at once.
+        # NEXT_CYCLE: the engine starts a cycle one cycle time after the first gradient, so the
+        # reductions overlap the rest of backward and gradients arriving close together are
+        # fused; step() starts the last cycle at once.
         if group:
             handle = grouped_allreduce_async_(wires, name=name, op=h["op"], prescale_factor=pre,
                                               postscale_factor=post,
-                                              process_set=h["process_set"], _wake=False)
+                                              process_set=h["process_set"],
+                                              _wake=NEXT_CYCLE)
         else:
             handle = allreduce_async_(wires[0], name=name, op=h["op"], prescale_factor=pre,
                                       postscale_factor=post, process_set=h["process_set"],
-                                      _wake=False)
-        h["handles"][key] = (handle, params, wires, ctxs)
+                                      _wake=NEXT_CYCLE)
+        h["handles"][key] = (handle, params, [p.grad for p in params], wires, ctxs)
 
     def synchronize(self):
         """Wait for every gradient's reduction; parameters whose gradient never came this step
@@ -173,16 +219,26 @@ class _DistributedMixin:
         if h["delta"]:
             self._hvd_agree_on_finite()
             return
-        started = {id(p) for _, params, _, _ in h["handles"].values() for p in params}
+        started = {id(p) for _, params, _, _, _ in h["handles"].values() for p in params}
         started |= {id(p) for pending in h["group_ready"].values() for p in pending}
+        started |= {i for b in h["buckets"] for i in b.ready}
         for p in h["params"]:
             if id(p) not in started:
                 self._hvd_submit(p)
-        for handle, params, wires, ctxs in h["handles"].values():
-            _wait(handle)
-            for p, wire, ctx in zip(params, wires, ctxs):
-                if wire is not p.grad:
-                    p.grad.copy_(h["compression"].decompress(wire, ctx))
+        try:
+            for handle, _, targets, wires, ctxs in h["handles"].values():
+                _wait(handle)
+                for target, wire, ctx in zip(targets, wires, ctxs):
+                    if wire is not target:
+                        target.copy_(h["compression"].decompress(wire, ctx))
+        finally:
+            for b in h["buckets"]:
+                b.ready.clear()
+        for b in h["buckets"]:
+            # a .grad replaced after its hook ran was not reduced: the reduced slice wins
+            for p in b.params:
+                if p.grad is None or p.grad.data_ptr() != b.views[id(p)].data_ptr():
+                    p.grad = b.views[id(p)]
         h["handles"].clear()
         h["counts"].clear()
         h["synchronized"] = True
@@ -243,10 +299,28 @@ class _DistributedMixin:
         return result
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._hvd["handles"]:
+        """As torch's, except that gradients living in buckets are zeroed in place whatever
+        ``set_to_none`` says: they stay the bucket's slices (no copy into the bucket on the next
+        backward).  Every parameter gets a gradient at synchronize() anyway (zeros where
+        backward gave none), so optimizers see the same thing either way."""
+        h = self._hvd
+        if h["handles"]:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
-        return super().zero_grad(set_to_none)
+        if not h["buckets"]:
+            return super().zero_grad(set_to_none)
+        for bucket in h["buckets"]:
+            bucket.zero_()
+            for p in bucket.params:
+                p.grad = bucket.views[id(p)]
+        loose = [p for p in h["params"] if id(p) not in h["bucket_of"]]
+        for p in loose:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+        return None
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,

@@ -1,0 +1,91 @@
+"""Gradient buckets: flat buffers whose slices are the parameters' ``.grad``.
+
+DistributedOptimizer with an elementwise op (Sum, Average, Min, Max, Product) lays the gradients
+of consecutive parameters out back to back in one flat buffer per bucket and points each
+parameter's ``.grad`` at its slice, as DDP's ``gradient_as_bucket_view`` does.  Autograd then
+accumulates straight into the bucket, and a bucket is reduced in place with one collective once
+all its gradients are in: no packing or unpacking copies, and a few large transfers instead of
+one per tensor (each Gloo call costs ~1 ms of latency here; a 3-layer MLP went from 3-4 calls
+per step to 1).
+
+Buckets follow the reverse of the parameter order, the order backward produces gradients in, and
+hold up to HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
+HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
+as in Horovod).  There is no small first bucket as DDP has: a separate reduction for the last
+layers, run by this engine's Python thread while backward computes, cost more than it saved on
+a 2-core machine (MLP at np=2: 0.86-0.88x DDP's throughput with a 1 MiB first bucket,
+0.94-0.99x without).  A ``.grad`` that is not the bucket's slice when it is ready
+(``set_to_none``, a user's assignment, ``create_graph`` backward) is copied in and the slice
+takes its place.
+"""
+from typing import Dict, List, Sequence
+
+import torch
+
+
+
+class Bucket:
+    """Parameters of one dtype and device whose gradients live in ``flat``."""
+
+    def __init__(self, index: int, params: Sequence[torch.Tensor]):
+        self.index = index
+        self.params = list(params)
+        first = self.params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype,
+                                device=first.device)
+        self.views: Dict[int, torch.Tensor] = {}
+        offset = 0
+        for p in self.params:
+            self.views[id(p)] = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.ready: set = set()   # ids of parameters whose gradient is in, this step
+
+    def adopt(self, p: torch.Tensor, sparse_ok: bool, name: str):
+        """Make ``p.grad`` the bucket's slice, keeping its value (zeros when it has none)."""
+        view = self.views[id(p)]
+        grad = p.grad
+        if grad is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() \
+                and grad.shape == view.shape:
+            return
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            else:
+                if grad.is_sparse:
+                    if not sparse_ok:
+                        raise ValueError(f"sparse gradient for {name}: pass sparse_as_dense=True")
+                    grad = grad.to_dense()
+                view.copy_(grad)
+        p.grad = view
+
+    def zero_(self):
+        self.flat.zero_()
+
+
+def plan(params: Sequence[torch.Tensor], cap: int) -> List[Bucket]:
+    """Buckets of at most ``cap`` bytes (a bigger tensor alone) over ``params`` in reverse
+    order, split where dtype or device changes."""
+    buckets: List[Bucket] = []
+    current: List[torch.Tensor] = []
+    used = 0
+
+    def close():
+        nonlocal current, used
+        if current:
+            buckets.append(Bucket(len(buckets), current))
+        current, used = [], 0
+
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        if current and ((p.dtype, p.device) != (current[0].dtype, current[0].device)
+                        or used + nbytes > cap):
+            close()
+        current.append(p)
+        used += nbytes
+    close()
+    return buckets
+
+
+def eligible(params: Sequence[torch.Tensor]) -> bool:
+    """Dense, strided parameters only (a bucket slice cannot stand in for anything else)."""
+    return all(p.layout == torch.strided and not p.is_sparse for p in params)
