@@ -150,9 +150,13 @@ def test_bad_environment_values_are_named():
         Config.from_env({"HOROVOD_CPU_OPERATIONS": "carrier-pigeon"})
     with pytest.raises(ConfigError, match="HOROVOD_HIERARCHICAL_ALLREDUCE"):
         Config.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "maybe"})
+    with pytest.raises(ConfigError, match="HOROVOD_GRADIENT_BUCKET_BYTES"):
+        Config.from_env({"HOROVOD_GRADIENT_BUCKET_BYTES": "-5"})
     c = Config.from_env({"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "2.5",
-                         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
-    assert (c.fusion_threshold, c.cycle_time_ms, c.hierarchical_allreduce) == (0, 2.5, True)
+                         "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+                         "HOROVOD_GRADIENT_BUCKET_BYTES": "4096"})
+    assert (c.fusion_threshold, c.cycle_time_ms, c.hierarchical_allreduce,
+            c.gradient_bucket_bytes) == (0, 2.5, True, 4096)
 
 
 def body_bad_arguments():
