@@ -4,6 +4,7 @@
     python benchmarks/end_to_end.py --quick          # reduced matrix, about 4 min
     python benchmarks/end_to_end.py --settings loopback-2x1,lab-1gbit-2x1 --methods adam,onebit_adam
     python benchmarks/end_to_end.py --plot docs/end_to_end.json   # redraw the plots of a report
+    python benchmarks/end_to_end.py --markdown docs/end_to_end.json   # its tables, as results.md
 
 Model: the BERT-like encoder of ``_models.py`` ("base": hidden 512, 6 layers, vocabulary 16384,
 27.5 M parameters) with a masked-language-model loss on synthetic tokens, batch ``--batch`` per
@@ -232,6 +233,42 @@ PLOTTED = ["adam", "adasum", "onebit_adam_run", "onebit_adam", "lamb", "onebit_l
            "onebit_lamb", "slamb"]
 
 
+MARKDOWN_ORDER = ["adam", "adasum", "onebit_adam_warmup", "onebit_adam", "onebit_adam_run",
+                  "lamb", "onebit_lamb_warmup", "onebit_lamb", "onebit_lamb_run", "slamb"]
+
+
+def markdown(report) -> str:
+    """The report's tables as docs/results.md shows them, one per setting."""
+    out = []
+    for run in report["runs"]:
+        rows = run["rows"]
+        compute = ", ".join(f"{label} {rows[key]['step_s'] * 1e3:.0f} ms"
+                            for key, label in (("compute_adam", "Adam"), ("compute_lamb", "LAMB"))
+                            if key in rows)
+        where = f"np={run['np']}" + (", hierarchical" if run["hierarchical"] else "")
+        out.append(f"**{run['setting']}** ({where}; compute-only step: {compute})\n")
+        out.append("| method | samples/s | step ms | comm ms | MB/rank/step "
+                   "| vs baseline: speed | vs baseline: bytes |")
+        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name in MARKDOWN_ORDER:
+            r = rows.get(name)
+            if r is None:
+                continue
+            label = LABELS[name]
+            if name == "adasum":
+                label = "Adam (Adasum, delta mode)"
+            elif name == "slamb":
+                label = f"SLAMB k={report['slamb_ratio']:g} (H={report['slamb_interval']})"
+            comm = f"{r['comm_s'] * 1e3:.0f}" if "comm_s" in r else "-"
+            speed = f"{r['speedup']:.2f}x" if "speedup" in r else "baseline"
+            fewer = (f"{r['volume_reduction']:.1f}x" if r.get("volume_reduction")
+                     else ("baseline" if "speedup" not in r else "-"))
+            out.append(f"| {label} | {r['samples_per_s']:.2f} | {r['step_s'] * 1e3:.0f} | {comm} "
+                       f"| {r['bytes'] / 1e6:.2f} | {speed} | {fewer} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def plot(report, stem):
     """Three PNGs: throughput vs bandwidth, bytes per step, and the step's compute/comm split."""
     import matplotlib
@@ -345,9 +382,13 @@ def main():
                    help="1-bit optimizers' warm-up share of a whole run")
     p.add_argument("--timeout", type=float, default=900, help="seconds per setting")
     p.add_argument("--plot", metavar="JSON", help="only draw the plots of an earlier report")
+    p.add_argument("--markdown", metavar="JSON",
+                   help="only print an earlier report's tables in docs/results.md's format")
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    if args.markdown:
+        return print(markdown(_spawn.read_report(args.markdown)))
     stem = os.path.splitext(args.plot or args.out)[0]
     if args.plot:
         return plot(_spawn.read_report(args.plot), stem)
