@@ -92,8 +92,30 @@ static inline __attribute__((always_inline)) void carry_f32(f32x8 s, f64x4 *acc)
     *acc += lo + hi;
 }
 
+/* [a.b, a.a, b.b] of one segment with every product and sum in float64 (exact products). */
+static void dots_f32_exact(const float *x, const float *y, int64_t n, double *out)
+{
+    double ab = 0.0, aa = 0.0, bb = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double u = x[i], v = y[i];
+        ab += u * v;
+        aa += u * u;
+        bb += v * v;
+    }
+    out[0] = ab;
+    out[1] = aa;
+    out[2] = bb;
+}
+
+/* Below this mean square a float32 product may have been denormal (FLT_MIN * 2^24 = 2^-102),
+ * losing digits that float64 keeps. */
+#define F32_SAFE_MEAN_SQUARE 1.9721522630525295e-31
+
 /* Compiled without FMA contraction (the file's -ffp-contract=off): a float32 product is rounded,
- * so fusing it would change the bits, and every build must give the same ones. */
+ * so fusing it would change the bits, and every build must give the same ones.  A segment whose
+ * float32 products could have overflowed (|x| above ~1e19) or underflowed (values near 1e-19
+ * and below) is summed again with float64 products, so the results are float64's over the
+ * whole float32 range: the cheap path holds only where it is as good. */
 KERNEL void hx_adasum_dots_f32(const float *a, const float *b, const int64_t *segs, int64_t nseg,
                                double *dots)
 {
@@ -129,6 +151,14 @@ KERNEL void hx_adasum_dots_f32(const float *a, const float *b, const int64_t *se
             ab += ab_sum[j];
             aa += aa_sum[j];
             bb += bb_sum[j];
+        }
+        const double floor = F32_SAFE_MEAN_SQUARE * (double)n;
+        if (n >= F32_BLOCK && !(aa + bb + (ab < 0 ? -ab : ab) < 1e300 && aa >= floor && bb >= floor)) {
+            double exact[3];   /* the negated test also catches inf and NaN */
+            dots_f32_exact(x, y, n, exact);
+            ab = exact[0];
+            aa = exact[1];
+            bb = exact[2];
         }
         double *row = dots + 3 * segs[3 * s + 2];
         row[0] += ab;

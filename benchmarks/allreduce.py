@@ -4,8 +4,12 @@
     python benchmarks/allreduce.py --lab           # also flat vs hierarchical, 2 lab hosts x 2
     python benchmarks/allreduce.py --quick         # fewer sizes, shorter runs
 
-Prints a table and writes JSON (``--out``).  Timings are medians of per-call times; the methods
-take turns call by call, so that drift on this shared 2-core machine hits all of them alike.
+Prints a table and writes JSON (``--out``).  Each method is timed over blocks of back-to-back
+calls that start together (a barrier of the raw transport first, outside the timing), as the OSU
+micro-benchmarks do, and reported as the median over blocks of the time per call; the methods
+take turns block by block, so that drift on this shared 2-core machine hits all of them alike.
+Timing single calls instead would charge one method for the skew the previous one left between
+the ranks.  The buffers hold zeros, so every call reduces the same finite values.
 """
 import argparse
 import json
@@ -21,13 +25,13 @@ KIB = 1024
 SIZES = [4 * KIB * 4 ** i for i in range(7)] + [64 * KIB * KIB]   # 4 KiB .. 16 MiB, 64 MiB
 
 
-def _timed(fn, reps):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def _per_call(fn, calls, barrier):
+    """Seconds per call over ``calls`` back-to-back calls, started together on every rank."""
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
-        times.append(time.perf_counter() - t0)
-    return times
+    return (time.perf_counter() - t0) / calls
 
 
 def worker(args):
@@ -41,11 +45,13 @@ def worker(args):
 
         def raw_call(buf):
             world.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+        barrier = world.Barrier
     else:
         import torch.distributed as dist
 
         def raw_call(buf):
             dist.all_reduce(buf)
+        barrier = dist.barrier
     # Like for like: the raw calls reduce in place, so does hvd.allreduce_; hvd.allreduce
     # (a new tensor, one copy more) is timed too.
     # hvd_x8: eight tensors of this size in flight at once, as a backward pass submits them
@@ -68,18 +74,19 @@ def worker(args):
             methods.pop(m)
     rows = []
     for size in args.sizes:
-        buf = torch.ones(size // 4)
+        buf = torch.zeros(size // 4)
         for fn in methods.values():
-            _timed(lambda: fn(buf), 3)  # warm-up: connections, caches, allocator
-        probe = statistics.median(_timed(lambda: methods["hvd"](buf), 3))
-        reps = int(min(400, max(4, args.seconds / max(probe, 1e-6) / args.rounds / len(methods))))
-        reps = hvd.broadcast_object(reps, root_rank=0)  # every rank must make the same calls
+            _per_call(lambda: fn(buf), 3, barrier)  # warm-up: connections, caches, allocator
+        probe = _per_call(lambda: methods["hvd"](buf), 3, barrier)
+        # Blocks of about 20 ms (2..50 calls), as many as fit the time budget.
+        calls = int(min(50, max(2, 0.02 / max(probe, 1e-6))))
+        blocks = int(min(200, max(3, args.seconds / max(probe * calls, 1e-6) / len(methods))))
+        calls, blocks = hvd.broadcast_object((calls, blocks), root_rank=0)  # same calls everywhere
         samples = {m: [] for m in methods}
-        # Paired samples: one call of each method in turn, so drift hits all of them alike.
-        for _ in range(reps * args.rounds):
+        for _ in range(blocks):
             for m, fn in methods.items():
-                samples[m] += _timed(lambda: fn(buf), 1)
-        row = {"size": size, "reps": reps * args.rounds}
+                samples[m].append(_per_call(lambda: fn(buf), calls, barrier))
+        row = {"size": size, "calls": calls * blocks}
         for m, ts in samples.items():
             row[f"{m}_us"] = statistics.median(ts) * 1e6 / (8 if m == "hvd_x8" else 1)
         rows.append(row)
@@ -89,9 +96,9 @@ def worker(args):
     hvd.shutdown()
 
 
-def launch(kind, np, sizes, seconds, rounds, env=None, hosts=None, only_hvd=False):
+def launch(kind, np, sizes, seconds, env=None, hosts=None, only_hvd=False):
     argv = [os.path.abspath(__file__), "--worker", "--seconds", str(seconds),
-            "--rounds", str(rounds), "--sizes", ",".join(map(str, sizes))]
+            "--sizes", ",".join(map(str, sizes))]
     if only_hvd:
         argv.append("--only-hvd")
     return _spawn.run_collect(kind, argv, np, env, hosts)["rows"]
@@ -103,7 +110,6 @@ def main():
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--backends", default="gloo,mpi")
     p.add_argument("--seconds", type=float, default=2.0, help="time budget per size and method")
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--lab", action="store_true",
                    help="also flat vs hierarchical on 2 emulated hosts x 2 ranks (needs root)")
     p.add_argument("--lab-rate", default="1gbit")
@@ -112,7 +118,7 @@ def main():
         return worker(args)
     if args.quick:
         args.sizes = [4 * KIB, 1024 * KIB, 16 * KIB * KIB]
-        args.seconds, args.rounds = 0.6, 2
+        args.seconds = 0.6
     report = {"np": args.np, "local": {}, "lab": None}
     print("raw: the transport alone, in place; hvd_: hvd.allreduce_ (in place); hvd: "
           "hvd.allreduce (new tensor);\nx8/tensor: 8 async allreduce_ in flight, time per "
@@ -120,7 +126,7 @@ def main():
     print(f"{'transport':<9} {'size':>9} {'raw':>10} {'hvd_':>10} {'overhead':>9} "
           f"{'hvd':>10} {'x8/tensor':>10} {'x8 vs raw':>9}", flush=True)
     for kind in args.backends.split(","):
-        rows = launch(kind, args.np, args.sizes, args.seconds, args.rounds)
+        rows = launch(kind, args.np, args.sizes, args.seconds)
         report["local"][kind] = rows
         for r in rows:
             r["overhead_pct"] = 100.0 * (r["hvd_us"] / r["raw_us"] - 1.0)
@@ -135,9 +141,9 @@ def main():
         print(f"\nlab: 2 hosts x 2 ranks at {args.lab_rate}, Gloo, Sum allreduce\n"
               f"{'size':>9} {'flat ms':>9} {'hier ms':>9} {'speed-up':>9}", flush=True)
         with _spawn.lab(2, args.lab_rate):
-            flat = launch("gloo", 4, sizes, args.seconds, args.rounds, hosts=hosts,
+            flat = launch("gloo", 4, sizes, args.seconds, hosts=hosts,
                           only_hvd=True)
-            hier = launch("gloo", 4, sizes, args.seconds, args.rounds, hosts=hosts,
+            hier = launch("gloo", 4, sizes, args.seconds, hosts=hosts,
                           env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, only_hvd=True)
         for f, h in zip(flat, hier):
             row = {"size": f["size"], "flat_ms": f["hvd_us"] / 1e3, "hier_ms": h["hvd_us"] / 1e3}

@@ -182,6 +182,32 @@ def test_c_kernels_match_torch_code():
         assert torch.equal(native[3:5003], a[3:5003])
 
 
+def test_float32_dots_hold_float64_precision_at_extreme_magnitudes():
+    """Values whose float32 squares overflow (1e25) or underflow (1e-25): the dot products are
+    float64's, so identical inputs still give the input and orthogonal ones their sum."""
+    from adasum.operator import LayerMap, adasum_pair_, partial_dots
+    g = torch.Generator().manual_seed(5)
+    n = 4096
+    layers = LayerMap([(0, n), (n, n)])
+    for scale in (1e25, 1e-25, 1.0):
+        a = (torch.randn(2 * n, generator=g, dtype=torch.float64) * scale).float()
+        b = (torch.randn(2 * n, generator=g, dtype=torch.float64) * scale).float()
+        dots = partial_dots(a, b, layers.piece(0, 2 * n))
+        a64, b64 = a.double().view(2, n), b.double().view(2, n)
+        expected = torch.stack([(a64 * b64).sum(1), (a64 * a64).sum(1), (b64 * b64).sum(1)], 1)
+        assert torch.isfinite(dots).all() and (expected[:, 1:] > 0).all(), scale
+        # At ordinary magnitudes the kernel's float32 blocks are within ~1e-9 (see above).
+        tol = 1e-7 if scale == 1.0 else 1e-12
+        assert ((dots - expected).abs() / expected[:, 1:].amax(1, keepdim=True)).max() < tol
+        same = adasum_pair_(a.clone(), a.clone(), layers)
+        assert rel_err([same], [a]) < 1e-6, scale   # Adasum(a, a) = a
+        ortho_a, ortho_b = a.clone(), b.clone()
+        ortho_a[1::2] = 0
+        ortho_b[0::2] = 0
+        ortho = adasum_pair_(ortho_a.clone(), ortho_b, layers)
+        assert rel_err([ortho], [ortho_a + ortho_b]) < 1e-6, scale
+
+
 # --- hierarchical: average inside each node, Adasum across nodes in node order ----------------
 def _hierarchical():
     import horovod_ext.torch as hvd

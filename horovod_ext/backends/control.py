@@ -8,7 +8,6 @@ after the timeout.  When rank 0 sees a failure it tells the others before closin
 raises an error that names the culprit.
 """
 import fcntl
-import pickle
 import socket
 import struct
 import time
@@ -17,6 +16,33 @@ from typing import List, Optional
 from .base import CommunicationError, Communicator
 
 _HEADER = struct.Struct("!Q")
+
+
+class StarFrames:
+    """The reply rank 0 sends in a star-shaped allgather (this channel and control_mpi.py):
+    ``ok``: a status byte, the count, every payload's length, the payloads; ``error``: a status
+    byte and a message that every rank raises.  Plain bytes, no pickle: it is built every cycle."""
+
+    @staticmethod
+    def ok(payloads: List[bytes]) -> bytes:
+        lengths = struct.pack(f"!BI{len(payloads)}I", 0, len(payloads), *map(len, payloads))
+        return lengths + b"".join(payloads)
+
+    @staticmethod
+    def error(message: str) -> bytes:
+        return b"\x01" + message.encode()
+
+    @staticmethod
+    def unpack_reply(frame: bytes) -> List[bytes]:
+        if frame[:1] != b"\x00":
+            raise CommunicationError(frame[1:].decode(errors="replace"))
+        (count,) = struct.unpack_from("!I", frame, 1)
+        lengths = struct.unpack_from(f"!{count}I", frame, 5)
+        out, pos = [], 5 + 4 * count
+        for n in lengths:
+            out.append(frame[pos:pos + n])
+            pos += n
+        return out
 
 
 def local_ipv4_addresses(iface: Optional[str] = None) -> List[str]:
@@ -102,35 +128,32 @@ class ControlChannel:
                                  f"{addresses} port {port}: {errors[-3:]}")
 
     # --- the one operation --------------------------------------------------------------------
-    def allgather(self, payload: bytes) -> List[bytes]:
-        """Every rank's payload, in rank order."""
+    def allgather(self, payload: bytes, caller_blocked: bool = False) -> List[bytes]:
+        """Every rank's payload, in rank order (``caller_blocked`` changes nothing here: a
+        socket read sleeps until the data is there)."""
         if self.size == 1:
             return [payload]
         if self.rank != 0:
             _send_frame(self._coord, payload)
-            status, body = pickle.loads(_recv_frame(self._coord, "rank 0"))
-            if status != "ok":
-                raise CommunicationError(body)
-            return body
+            return StarFrames.unpack_reply(_recv_frame(self._coord, "rank 0"))
         gathered = [payload]
         try:
             for peer in range(1, self.size):
                 gathered.append(_recv_frame(self._peers[peer], f"rank {peer}"))
         except CommunicationError as exc:
-            self._tell_all(("error", f"{exc} (reported by rank 0)"))
+            self._tell_all(StarFrames.error(f"{exc} (reported by rank 0)"), ok=False)
             raise
-        self._tell_all(("ok", gathered))
+        self._tell_all(StarFrames.ok(gathered))
         return gathered
 
-    def _tell_all(self, message):
-        frame = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    def _tell_all(self, frame: bytes, ok: bool = True):
         failed = []
         for peer, sock in self._peers.items():
             try:
                 _send_frame(sock, frame, f"rank {peer}")
             except CommunicationError:
                 failed.append(peer)
-        if failed and message[0] == "ok":
+        if failed and ok:
             raise CommunicationError(f"control plane: lost the connection to ranks {failed}: "
                                      f"they have died or shut down")
 
@@ -157,23 +180,35 @@ def _send_frame(sock, data: bytes, who: str = "rank 0"):
 
 
 def _recv_frame(sock, who: str) -> bytes:
-    (length,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size, who))
-    return _recv_exact(sock, length, who)
+    # One frame at most is in flight per direction (each reply answers one message), so the
+    # first read may take the header and the body together: one system call in the usual case.
+    buf = _recv_some(sock, 65536, who)
+    while len(buf) < _HEADER.size:
+        buf += _recv_some(sock, _HEADER.size - len(buf), who)
+    (length,) = _HEADER.unpack_from(buf)
+    end = _HEADER.size + length
+    while len(buf) < end:
+        buf += _recv_some(sock, end - len(buf), who)
+    return bytes(buf[_HEADER.size:end])
 
 
 def _recv_exact(sock, n: int, who: str) -> bytes:
-    buf = bytearray()
+    buf = b""
     while len(buf) < n:
-        try:
-            chunk = sock.recv(n - len(buf))
-        except socket.timeout:
-            raise CommunicationError(f"{who} did not answer within {sock.gettimeout():.0f} s: it "
-                                     f"has stopped or is stuck") from None
-        except (ConnectionResetError, BrokenPipeError):
-            chunk = b""
-        except OSError as exc:
-            raise CommunicationError(f"connection to {who} failed: {exc}") from None
-        if not chunk:
-            raise CommunicationError(f"{who} closed its connection: it has died or shut down")
-        buf += chunk
-    return bytes(buf)
+        buf += _recv_some(sock, n - len(buf), who)
+    return buf
+
+
+def _recv_some(sock, n: int, who: str) -> bytes:
+    try:
+        chunk = sock.recv(n)
+    except socket.timeout:
+        raise CommunicationError(f"{who} did not answer within {sock.gettimeout():.0f} s: it "
+                                 f"has stopped or is stuck") from None
+    except (ConnectionResetError, BrokenPipeError):
+        chunk = b""
+    except OSError as exc:
+        raise CommunicationError(f"connection to {who} failed: {exc}") from None
+    if not chunk:
+        raise CommunicationError(f"{who} closed its connection: it has died or shut down")
+    return chunk
