@@ -74,25 +74,39 @@ class HorovodInternalError(RuntimeError):
 class Handle:
     """What an async call returns; pass it to synchronize() or poll()."""
 
-    __slots__ = ("name", "post", "_event", "_result", "_error", "_engine")
+    __slots__ = ("name", "post", "_done", "_event", "_result", "_error", "_engine")
 
     def __init__(self, name: str, engine: "Engine"):
         self.name = name
         self.post = None  # the API's finishing touch on the raw result (unwrap, decompress)
-        self._event = threading.Event()
+        self._done = False
+        # Made only for a thread that must sleep until another one finishes the request (most
+        # synchronous calls finish on their own thread and never need one).
+        self._event: Optional[threading.Event] = None
         self._result = None
         self._error: Optional[BaseException] = None
         self._engine = engine
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def _finish(self, result=None, error=None):
         self._result, self._error = result, error
-        self._event.set()
+        self._done = True
+        event = self._event   # read after _done is set: see _sleep_until_done
+        if event is not None:
+            event.set()
+
+    def _sleep_until_done(self, lock):
+        with lock:
+            if self._event is None:
+                self._event = threading.Event()
+        if self._done:  # finished before the event existed: _finish may not have seen it
+            return
+        self._event.wait()
 
     def wait(self):
-        if not self._event.is_set():
+        if not self._done:
             self._engine.wait_for(self)
         if self._error is not None:
             raise self._error
@@ -121,11 +135,21 @@ class Request:
 
     def describe(self) -> Tuple:
         t = self.tensors[0] if self.tensors else None
-        dtype = str(t.dtype).replace("torch.", "") if t is not None else ""
-        device = t.device.type if t is not None else "cpu"
+        dtype = _dtype_name(t.dtype) if t is not None else ""
+        device = "cpu" if t is None or t.is_cpu else t.device.type
         shapes = tuple(tuple(x.shape) for x in self.tensors)
         return (self.kind, self.op, dtype, device, shapes, self.root, self.splits,
                 self.prescale, self.postscale)
+
+
+_DTYPE_NAMES: Dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 _META_FIELDS = ("kind", "op", "dtype", "device", "shape", "root rank", "splits",
@@ -211,6 +235,7 @@ class Engine:
         self._fusion = FusionBuffers()
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._caller_cycle = False            # a blocked caller is running a cycle
+        self._event_lock = threading.Lock()   # makes the handles' events
         self._cycle_s = config.cycle_time_ms / 1000.0
         self._last_end = 0.0
         self._not_before = 0.0   # NEXT_CYCLE requests: no cycle before this (monotonic s)
@@ -271,7 +296,7 @@ class Engine:
             self._waiters += 1
             self._cond.notify()
         try:
-            handle._event.wait()
+            handle._sleep_until_done(self._event_lock)
         finally:
             with self._cond:
                 self._waiters -= 1

@@ -92,7 +92,7 @@ def _allreduce_request(tensors, name, op, average, prescale_factor, postscale_fa
             reason = "bool tensors cannot be scaled"
         if reason:
             raise TypeError(f"{kind_name}: {reason}")
-    if len({(t.dtype, t.device) for t in tensors}) > 1:
+    if len(tensors) > 1 and len({(t.dtype, t.device) for t in tensors}) > 1:
         raise ValueError(f"{kind_name}: all tensors of a group need the same dtype and device")
     return Request(_name(kind_name, name), "allreduce",
                    [t.detach() for t in tensors], outputs=list(tensors) if inplace else None,
