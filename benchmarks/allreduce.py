@@ -10,6 +10,13 @@ micro-benchmarks do, and reported as the median over blocks of the time per call
 take turns block by block, so that drift on this shared 2-core machine hits all of them alike.
 Timing single calls instead would charge one method for the skew the previous one left between
 the ranks.  The buffers hold zeros, so every call reduces the same finite values.
+
+Each method is timed twice: back to back, and with the same busy work (``--gap-us``, 500 us by
+default, not counted) before every call, as a training step computes between its reductions.
+Back-to-back raw calls are a best case for the transport (here a socket round or a busy loop
+between raw Gloo calls added up to a few hundred microseconds beyond its own time, noisily), and
+a framework always does something between calls, a negotiation round at least; the gap columns
+compare the two after the same compute.  Both are reported.
 """
 import argparse
 import json
@@ -25,13 +32,20 @@ KIB = 1024
 SIZES = [4 * KIB * 4 ** i for i in range(7)] + [64 * KIB * KIB]   # 4 KiB .. 16 MiB, 64 MiB
 
 
-def _per_call(fn, calls, barrier):
-    """Seconds per call over ``calls`` back-to-back calls, started together on every rank."""
+def _per_call(fn, calls, barrier, gap_s=0.0):
+    """Seconds per call over ``calls`` calls started together on every rank; with ``gap_s``,
+    each call follows that much busy work (not counted), as a training step computes between
+    its reductions."""
     barrier()
-    t0 = time.perf_counter()
+    clock = time.perf_counter
+    t0 = clock()
     for _ in range(calls):
+        if gap_s:
+            until = clock() + gap_s
+            while clock() < until:
+                pass
         fn()
-    return (time.perf_counter() - t0) / calls
+    return (clock() - t0) / calls - gap_s
 
 
 def worker(args):
@@ -65,27 +79,33 @@ def worker(args):
         for h in handles:
             hvd.synchronize(h)
 
-    methods = {"hvd": lambda buf: hvd.allreduce_(buf, op=hvd.Sum, name="bench"),
-               "raw": raw_call,
-               "hvd_copy": lambda buf: hvd.allreduce(buf, op=hvd.Sum, name="bench_copy"),
-               "hvd_x8": hvd_x8}
+    def in_place(buf):
+        hvd.allreduce_(buf, op=hvd.Sum, name="bench")
+
+    # (function, busy gap before each call): the "_gap" forms put the same compute between
+    # calls for the transport and for us, which ends the overlap of back-to-back calls that
+    # Gloo otherwise gets (see the module docstring).
+    gap = args.gap_us * 1e-6
+    methods = {"hvd": (in_place, 0.0), "raw": (raw_call, 0.0),
+               "hvd_gap": (in_place, gap), "raw_gap": (raw_call, gap),
+               "hvd_copy": (lambda buf: hvd.allreduce(buf, op=hvd.Sum, name="bench_copy"), 0.0),
+               "hvd_x8": (hvd_x8, 0.0)}
     if args.only_hvd:
-        for m in ("raw", "hvd_copy", "hvd_x8"):
-            methods.pop(m)
+        methods = {"hvd": methods["hvd"]}
     rows = []
     for size in args.sizes:
         buf = torch.zeros(size // 4)
-        for fn in methods.values():
+        for fn, _ in methods.values():
             _per_call(lambda: fn(buf), 3, barrier)  # warm-up: connections, caches, allocator
-        probe = _per_call(lambda: methods["hvd"](buf), 3, barrier)
+        probe = _per_call(lambda: in_place(buf), 3, barrier)
         # Blocks of about 20 ms (2..50 calls), as many as fit the time budget.
         calls = int(min(50, max(2, 0.02 / max(probe, 1e-6))))
         blocks = int(min(200, max(3, args.seconds / max(probe * calls, 1e-6) / len(methods))))
         calls, blocks = hvd.broadcast_object((calls, blocks), root_rank=0)  # same calls everywhere
         samples = {m: [] for m in methods}
         for _ in range(blocks):
-            for m, fn in methods.items():
-                samples[m].append(_per_call(lambda: fn(buf), calls, barrier))
+            for m, (fn, gap_s) in methods.items():
+                samples[m].append(_per_call(lambda: fn(buf), calls, barrier, gap_s))
         row = {"size": size, "calls": calls * blocks}
         for m, ts in samples.items():
             row[f"{m}_us"] = statistics.median(ts) * 1e6 / (8 if m == "hvd_x8" else 1)
@@ -96,8 +116,8 @@ def worker(args):
     hvd.shutdown()
 
 
-def launch(kind, np, sizes, seconds, env=None, hosts=None, only_hvd=False):
-    argv = [os.path.abspath(__file__), "--worker", "--seconds", str(seconds),
+def launch(kind, np, sizes, seconds, gap_us=0.0, env=None, hosts=None, only_hvd=False):
+    argv = [os.path.abspath(__file__), "--worker", "--seconds", str(seconds), "--gap-us", str(gap_us),
             "--sizes", ",".join(map(str, sizes))]
     if only_hvd:
         argv.append("--only-hvd")
@@ -110,6 +130,8 @@ def main():
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--backends", default="gloo,mpi")
     p.add_argument("--seconds", type=float, default=2.0, help="time budget per size and method")
+    p.add_argument("--gap-us", type=float, default=500.0,
+                   help="busy work before each call in the _gap measurements")
     p.add_argument("--lab", action="store_true",
                    help="also flat vs hierarchical on 2 emulated hosts x 2 ranks (needs root)")
     p.add_argument("--lab-rate", default="1gbit")
@@ -120,20 +142,22 @@ def main():
         args.sizes = [4 * KIB, 1024 * KIB, 16 * KIB * KIB]
         args.seconds = 0.6
     report = {"np": args.np, "local": {}, "lab": None}
-    print("raw: the transport alone, in place; hvd_: hvd.allreduce_ (in place); hvd: "
-          "hvd.allreduce (new tensor);\nx8/tensor: 8 async allreduce_ in flight, time per "
-          "tensor. Times are medians in microseconds.")
-    print(f"{'transport':<9} {'size':>9} {'raw':>10} {'hvd_':>10} {'overhead':>9} "
-          f"{'hvd':>10} {'x8/tensor':>10} {'x8 vs raw':>9}", flush=True)
+    print("raw: the transport alone, in place; hvd_: hvd.allreduce_ (in place); back to back, "
+          f"and after {args.gap_us:g} us of busy work per call (gap);\nhvd: hvd.allreduce (new "
+          "tensor); x8/tensor: 8 async allreduce_ in flight, time per tensor.  Medians, us.")
+    print(f"{'transport':<9} {'size':>9} {'raw':>9} {'hvd_':>9} {'over':>7} {'raw gap':>9} "
+          f"{'hvd_ gap':>9} {'over':>7} {'hvd':>9} {'x8/tensor':>9}", flush=True)
     for kind in args.backends.split(","):
-        rows = launch(kind, args.np, args.sizes, args.seconds)
+        rows = launch(kind, args.np, args.sizes, args.seconds, args.gap_us)
         report["local"][kind] = rows
         for r in rows:
             r["overhead_pct"] = 100.0 * (r["hvd_us"] / r["raw_us"] - 1.0)
+            r["gap_overhead_pct"] = 100.0 * (r["hvd_gap_us"] / r["raw_gap_us"] - 1.0)
             r["x8_overhead_pct"] = 100.0 * (r["hvd_x8_us"] / r["raw_us"] - 1.0)
-            print(f"{kind:<9} {_spawn.human(r['size']):>9} {r['raw_us']:>10.1f} {r['hvd_us']:>10.1f} "
-                  f"{r['overhead_pct']:>8.1f}% {r['hvd_copy_us']:>10.1f} "
-                  f"{r['hvd_x8_us']:>10.1f} {r['x8_overhead_pct']:>8.1f}%", flush=True)
+            print(f"{kind:<9} {_spawn.human(r['size']):>9} {r['raw_us']:>9.1f} {r['hvd_us']:>9.1f} "
+                  f"{r['overhead_pct']:>6.1f}% {r['raw_gap_us']:>9.1f} {r['hvd_gap_us']:>9.1f} "
+                  f"{r['gap_overhead_pct']:>6.1f}% {r['hvd_copy_us']:>9.1f} "
+                  f"{r['hvd_x8_us']:>9.1f}", flush=True)
     if args.lab:
         sizes = [s for s in args.sizes if s >= 1024 * KIB] or args.sizes
         hosts = ["nl-0", "nl-0", "nl-1", "nl-1"]
