@@ -165,8 +165,9 @@ def test_bucket_adopts_whatever_gradient_it_finds():
 
 
 def body_bucket_views():
-    """Gradients live in the buckets across steps; a user's set_to_none zero_grad, a replaced
-    .grad and a second backward before step() are handled."""
+    """Gradients live in the buckets after every step, whichever zero_grad ran (the optimizer's
+    with and without set_to_none, the module's); a replaced .grad and a second backward before
+    step() are handled."""
     import horovod_ext.torch as hvd
     r, n = hvd.rank(), hvd.size()
     model, opt = make("sgd")
@@ -178,8 +179,12 @@ def body_bucket_views():
     for step in range(4):
         if step == 2:
             model.zero_grad(set_to_none=True)    # the module's zero_grad, not the optimizer's
+        elif step == 1:
+            opt.zero_grad(set_to_none=False)     # buckets zeroed in place, still the gradients
+            assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
         else:
-            opt.zero_grad()
+            opt.zero_grad()                      # torch's default: gradients become None
+            assert all(p.grad is None for p in model.parameters())
         ref_opt.zero_grad()
         x, y = data(step, 0, n)
         mine = slice(r * BATCH, (r + 1) * BATCH)

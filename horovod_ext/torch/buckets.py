@@ -15,8 +15,10 @@ as in Horovod).  There is no small first bucket as DDP has: a separate reduction
 layers, run by this engine's Python thread while backward computes, cost more than it saved on
 a 2-core machine (MLP at np=2: 0.86-0.88x DDP's throughput with a 1 MiB first bucket,
 0.94-0.99x without).  A ``.grad`` that is not the bucket's slice when it is ready
-(``set_to_none``, a user's assignment, ``create_graph`` backward) is copied in and the slice
-takes its place.
+(after ``zero_grad(set_to_none=True)``, the default, a user's assignment, ``create_graph``
+backward) is copied in and the slice takes its place.  The default zero_grad relies on that on
+purpose: one copy of autograd's fresh gradient costs less than zeroing the bucket and then
+accumulating into it.
 """
 from typing import Dict, List, Sequence
 

@@ -299,10 +299,11 @@ class _DistributedMixin:
         return result
 
     def zero_grad(self, set_to_none: bool = True):
-        """As torch's, except that gradients living in buckets are zeroed in place whatever
-        ``set_to_none`` says: they stay the bucket's slices (no copy into the bucket on the next
-        backward).  Every parameter gets a gradient at synchronize() anyway (zeros where
-        backward gave none), so optimizers see the same thing either way."""
+        """As torch's.  With ``set_to_none`` (the default) autograd hands each parameter a fresh
+        gradient, which its hook copies into the bucket: one copy is cheaper than zeroing the
+        bucket and then accumulating into it (MLP at np=2: ~1 ms, 4-5% of a step, less).
+        Otherwise the buckets are zeroed in place and stay the gradients.  Every parameter has
+        a gradient after synchronize() either way (zeros where backward gave none)."""
         h = self._hvd
         if h["handles"]:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
@@ -310,6 +311,10 @@ class _DistributedMixin:
         if not h["buckets"]:
             return super().zero_grad(set_to_none)
         for bucket in h["buckets"]:
+            if set_to_none:
+                for p in bucket.params:
+                    p.grad = None
+                continue
             bucket.zero_()
             for p in bucket.params:
                 p.grad = bucket.views[id(p)]
