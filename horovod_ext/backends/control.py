@@ -19,9 +19,9 @@ _HEADER = struct.Struct("!Q")
 
 
 class StarFrames:
-    """The reply rank 0 sends in a star-shaped allgather (this channel and control_mpi.py):
-    ``ok``: a status byte, the count, every payload's length, the payloads; ``error``: a status
-    byte and a message that every rank raises.  Plain bytes, no pickle: it is built every cycle."""
+    """The reply rank 0 sends in this channel's star-shaped allgather.  ``ok``: a status byte,
+    the count, every payload's length, the payloads; ``error``: a status byte and a message that
+    every rank raises.  Plain bytes, no pickle: it is built every cycle."""
 
     @staticmethod
     def ok(payloads: List[bytes]) -> bytes:

@@ -44,7 +44,6 @@ class MPIControlChannel:
         self._roll_comm = comm.Dup()
         self.rank, self.size, self.timeout = self.comm.Get_rank(), self.comm.Get_size(), timeout
         self._slots = bytearray(SLOT * self.size)
-        self._spin_s = SPIN_S
 
     @classmethod
     def connect(cls, mpi_comm, timeout: float) -> "MPIControlChannel":
@@ -56,9 +55,9 @@ class MPIControlChannel:
         this round, so waiting polls without napping for longer."""
         if self.size == 1:
             return [payload]
-        self._spin_s = BLOCKED_SPIN_S if caller_blocked else SPIN_S
+        spin_s = BLOCKED_SPIN_S if caller_blocked else SPIN_S
         head = (_LENGTH.pack(len(payload)) + payload[:SLOT - _LENGTH.size]).ljust(SLOT, b"\0")
-        self._wait(self.comm.Iallgather(head, self._slots))
+        self._wait(self.comm.Iallgather(head, self._slots), spin_s)
         slots = self._slots
         lengths = [_LENGTH.unpack_from(slots, r * SLOT)[0] for r in range(self.size)]
         inline = SLOT - _LENGTH.size
@@ -69,15 +68,17 @@ class MPIControlChannel:
             out = bytearray(sum(rest))
             displs = [sum(rest[:r]) for r in range(self.size)]
             tail = payload[inline:] or bytearray(1)  # (an empty buffer is not a buffer to MPI)
-            self._wait(self.comm.Iallgatherv([tail, rest[self.rank]], [out, (rest, displs)]))
+            self._wait(self.comm.Iallgatherv([tail, rest[self.rank]], [out, (rest, displs)]),
+                       spin_s)
             messages = [m + bytes(out[d:d + n]) for m, d, n in zip(messages, displs, rest)]
         return messages
 
-    def _wait(self, request):
+    def _wait(self, request, spin_s: float):
+        """Until ``request`` completes: polling without naps for ``spin_s``, then napping."""
         if request.Test():
             return
         start = time.monotonic()
-        deadline, spin_until = start + self.timeout, start + self._spin_s
+        deadline, spin_until = start + self.timeout, start + spin_s
         nap = 10e-6
         while not request.Test():
             now = time.monotonic()

@@ -8,7 +8,6 @@ run under a watchdog: a call that outlives the timeout aborts the job with a mes
 operation and rank, so nothing hangs.  The engine's negotiation, which runs over its own control
 plane, catches dead and silent peers before a data call is entered in almost every case.
 """
-import contextlib
 import itertools
 import logging
 import threading
@@ -68,6 +67,27 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+class _Deadline:
+    """The watchdog armed for one blocking call of ``comm`` (a plain class rather than
+    @contextmanager, which costs twice as much on a path taken for every reduction)."""
+
+    __slots__ = ("_comm", "_what", "_token")
+
+    def __init__(self, comm: "MPICommunicator", what: str):
+        self._comm, self._what = comm, what
+
+    def __enter__(self):
+        self._token = _WATCHDOG.arm(time.monotonic() + self._comm._timeout, self._message)
+
+    def __exit__(self, *exc_info):
+        _WATCHDOG.disarm(self._token)
+
+    def _message(self) -> str:  # made only when the deadline has passed
+        c = self._comm
+        return (f"MPI {self._what} on rank {c.rank} of {c.size} did not finish within "
+                f"{c._timeout:.0f} s: a peer has died or stopped answering; aborting the job")
+
+
 def cuda_aware() -> bool:
     """True when the MPI library says it can read and write CUDA memory."""
     MPI = _mpi()
@@ -114,36 +134,14 @@ class MPICommunicator(Communicator):
             return tensor.view(torch.uint8).numpy()
         return tensor.numpy()
 
-    def _late_message(self, what: str):
-        """The watchdog's message for a call that outlived the timeout (made only then)."""
-        return lambda: (f"MPI {what} on rank {self.rank} of {self.size} did not finish within "
-                        f"{self._timeout:.0f} s: a peer has died or stopped answering; aborting "
-                        f"the job")
-
-    @contextlib.contextmanager
-    def _guard(self, what: str):
+    def _guard(self, what: str) -> "_Deadline":
         """Blocking MPI calls (libnbc's non-blocking ones are up to 3x slower for large
         messages here) under a watchdog: one that outlives the timeout aborts the job with a
         message, since an MPI call cannot be interrupted."""
-        token = _WATCHDOG.arm(time.monotonic() + self._timeout, self._late_message(what))
-        try:
-            yield
-        finally:
-            _WATCHDOG.disarm(token)
+        return _Deadline(self, what)
 
     # --- collectives --------------------------------------------------------------------------
     def _allreduce(self, tensor, op):
-        if tensor.is_cuda or tensor.dtype in (torch.float16, torch.bfloat16):
-            return self._allreduce_staged(tensor, op)
-        # The common case, kept to a few calls: it runs on every step.
-        token = _WATCHDOG.arm(time.monotonic() + self._timeout, self._late_message("allreduce"))
-        try:
-            self.comm.Allreduce(_mpi().IN_PLACE, self._array(tensor), self._ops[op])
-        finally:
-            _WATCHDOG.disarm(token)
-
-    def _allreduce_staged(self, tensor, op):
-        """CUDA tensors without CUDA-aware MPI, and half precision (reduced in float32)."""
         t, orig = self._host(tensor)
         widened = t.dtype in (torch.float16, torch.bfloat16)
         work = t.float() if widened else t

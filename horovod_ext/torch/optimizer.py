@@ -308,23 +308,15 @@ class _DistributedMixin:
         if h["handles"]:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
-        if not h["buckets"]:
+        if set_to_none or not h["buckets"]:
             return super().zero_grad(set_to_none)
         for bucket in h["buckets"]:
-            if set_to_none:
-                for p in bucket.params:
-                    p.grad = None
-                continue
             bucket.zero_()
             for p in bucket.params:
                 p.grad = bucket.views[id(p)]
-        loose = [p for p in h["params"] if id(p) not in h["bucket_of"]]
-        for p in loose:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        for p in h["params"]:
+            if id(p) not in h["bucket_of"] and p.grad is not None:
+                p.grad.detach_().zero_()
         return None
 
 
