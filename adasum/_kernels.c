@@ -168,17 +168,21 @@ KERNEL void hx_adasum_dots_f32(const float *a, const float *b, const int64_t *se
 }
 
 /* The weights of a and b per layer from its [a.b, a.a, b.b]: 1 - a.b / (2 |a|^2) and
- * 1 - a.b / (2 |b|^2); a zero side weighs 1, so the other side passes through unchanged. */
-void hx_adasum_weights(const double *dots, int64_t layers, double *weights)
+ * 1 - a.b / (2 |b|^2); a zero side weighs 1, so the other side passes through unchanged.
+ * Written as (weight of out, weight of other) for a combine whose out is b when out_is_b. */
+void hx_adasum_weights(const double *dots, int64_t layers, int64_t out_is_b, double *weights)
 {
+    const int64_t wa = out_is_b ? 1 : 0;
     for (int64_t l = 0; l < layers; l++) {
         const double ab = dots[3 * l], aa = dots[3 * l + 1], bb = dots[3 * l + 2];
-        weights[2 * l] = aa > 0.0 ? 1.0 - ab / (2.0 * aa) : 1.0;
-        weights[2 * l + 1] = bb > 0.0 ? 1.0 - ab / (2.0 * bb) : 1.0;
+        weights[2 * l + wa] = aa > 0.0 ? 1.0 - ab / (2.0 * aa) : 1.0;
+        weights[2 * l + 1 - wa] = bb > 0.0 ? 1.0 - ab / (2.0 * bb) : 1.0;
     }
 }
 
-/* out = w_out * out + w_other * other, with (w_out, w_other) = weights[2 * layer ...]. */
+/* out = w_out * out + w_other * other, with (w_out, w_other) = weights[2 * layer ...].  Two
+ * rounded products and one rounded sum: the same bits whichever of a and b is out, so two
+ * ranks that compute the same pair with out = a on one and out = b on the other agree. */
 #define COMBINE(NAME, T)                                                               \
     KERNEL void NAME(T *out, const T *other, const int64_t *segs, int64_t nseg,        \
                      const double *weights)                                            \

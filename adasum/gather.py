@@ -16,7 +16,9 @@ import torch
 
 from horovod_ext.backends.base import Communicator
 
-from .operator import WORKSPACE, LayerMap, adasum_pair_
+import numpy as np
+
+from .operator import WORKSPACE, LayerMap, adasum_pair_, kernels_for
 
 
 def largest_power_of_two(n: int) -> int:
@@ -32,7 +34,16 @@ def gather_adasum_(x: torch.Tensor, layers: LayerMap, comm: Communicator,
         peer = order[1 - me]
         other = WORKSPACE.get("received", x.numel(), x.dtype, x.device)
         comm.sendrecv(x, peer, other, peer)
-        if me == 0:
+        kernels = kernels_for(x)
+        if kernels is not None:  # into x on both ranks: the C combine rounds alike either way
+            piece = layers.piece(0, x.numel())
+            tables = np.zeros(5 * layers.count)   # dots (layers, 3), then weights (layers, 2)
+            dots = tables.ctypes.data
+            mine, theirs = x.data_ptr(), other.data_ptr()
+            a, b = (mine, theirs) if me == 0 else (theirs, mine)
+            kernels.dots(a, b, piece, dots)
+            kernels.combine(mine, theirs, me == 0, dots, piece, dots + 24 * layers.count)
+        elif me == 0:
             adasum_pair_(x, other, layers)
         else:  # the same operation, a first, on both ranks: the same rounding
             x.copy_(adasum_pair_(other, x, layers))

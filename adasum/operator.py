@@ -14,7 +14,7 @@ as whole copies, which would cost a fresh allocation of twice the data.
 import ctypes
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -41,6 +41,8 @@ class Piece:
     def __init__(self, table: np.ndarray, layer_count: int):
         self.table = np.ascontiguousarray(table, dtype=np.int64)
         self.layer_count = layer_count
+        self.count = len(self.table)               # segments
+        self.address = self.table.ctypes.data      # for the C kernels (numpy's is not free)
 
     @cached_property
     def segments(self) -> List[Segment]:
@@ -60,6 +62,7 @@ class LayerMap:
         self.offsets = table[:, 0]
         self.ends = table[:, 0] + table[:, 1]
         self._pieces = {}
+        self.plans = {}  # callers' per-buffer schedules (RVH levels), made once
 
     @property
     def count(self) -> int:
@@ -85,7 +88,7 @@ _SEGMENTS_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_in
                   ctypes.c_void_p)
 _LIB = native.load("adasum._kernels", {
     **{f"hx_adasum_{what}_{t}": _SEGMENTS_ARGS for what in ("dots", "combine") for t in ("f32", "f64")},
-    "hx_adasum_weights": (ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p)})
+    "hx_adasum_weights": (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)})
 _KERNELS = {} if _LIB is None else {
     (what, dtype): getattr(_LIB, f"hx_adasum_{what}_{suffix}")
     for what in ("dots", "combine")
@@ -96,6 +99,44 @@ def _kernel(what: str, a: torch.Tensor, b: torch.Tensor):
     """The C kernel for these tensors, or None where the torch code must run."""
     kernel = _KERNELS.get((what, a.dtype))
     return kernel if kernel is not None and native.takes(a.dtype, a, b) else None
+
+
+class Kernels:
+    """The C kernels of one dtype called on addresses: the hot loops of RVH and of the pair
+    exchange run on pieces of one buffer, and every torch op (a slice, a small table) costs
+    several microseconds right after a large transfer has evicted the caches, which at 1 MiB
+    added up to more than the arithmetic.  Tables are numpy float64 arrays."""
+
+    __slots__ = ("itemsize", "_dots", "_combine")
+
+    def __init__(self, dtype: torch.dtype):
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self._dots = _KERNELS[("dots", dtype)]
+        self._combine = _KERNELS[("combine", dtype)]
+
+    def dots(self, a: int, b: int, piece: "Piece", out: int):
+        """Adds [a.b, a.a, b.b] per layer of ``piece`` (vectors at addresses a and b) into the
+        (layer_count, 3) float64 table at address ``out``."""
+        if piece.count:
+            self._dots(a, b, piece.address, piece.count, out)
+
+    def combine(self, out: int, other: int, out_is_a: bool, dots: int, piece: "Piece",
+                weights: int):
+        """The vector at ``out`` becomes Adasum's weighted sum of it and the one at ``other``,
+        per layer of ``piece``, from the (layer_count, 3) table at ``dots``; ``weights`` is a
+        (layer_count, 2) float64 scratch table."""
+        _LIB.hx_adasum_weights(dots, piece.layer_count, 0 if out_is_a else 1, weights)
+        if piece.count:
+            self._combine(out, other, piece.address, piece.count, weights)
+
+
+def kernels_for(t: torch.Tensor) -> Optional[Kernels]:
+    """The C kernels for ``t`` (a contiguous CPU tensor of a dtype they handle), else None."""
+    kernels = _KERNEL_OBJECTS.get(t.dtype)
+    return kernels if kernels is not None and native.takes(t.dtype, t) else None
+
+
+_KERNEL_OBJECTS = {dtype: Kernels(dtype) for (_, dtype) in _KERNELS}
 
 
 # Segments shorter than this are handled together, a run of neighbours at a time, with a few
@@ -199,7 +240,7 @@ def coefficients(dots: torch.Tensor) -> torch.Tensor:
     if _LIB is not None and dots.device.type == "cpu":  # one call instead of ten small ops
         dots = dots.contiguous()
         weights = torch.empty(dots.shape[0], 2, dtype=torch.float64)
-        _LIB.hx_adasum_weights(dots.data_ptr(), dots.shape[0], weights.data_ptr())
+        _LIB.hx_adasum_weights(dots.data_ptr(), dots.shape[0], 0, weights.data_ptr())
         return weights
     ab, aa, bb = dots[:, 0], dots[:, 1], dots[:, 2]
     one = torch.ones_like(ab)

@@ -17,22 +17,24 @@ order; ``extra_reduce`` sums the partial products once more (over the local rank
 other shards of the same vectors, in the hierarchical variant).
 """
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from horovod_ext.backends.base import Communicator
 
 from .gather import gather_adasum_, largest_power_of_two
-from .operator import WORKSPACE, LayerMap, coefficients, combine_, partial_dots
+from .operator import (WORKSPACE, Kernels, LayerMap, Piece, coefficients, combine_, kernels_for,
+                       partial_dots)
 
 # Bytes a rank may receive from the others for the gather path (see gather.py): below this its
-# single collective beats RVH's 2 log2(n) + 1 synchronisation points.  At n = 2 it sends the
-# same bytes as RVH, and with the float32-block dot kernel its doubled arithmetic costs less
-# than RVH's second exchange and dot-product allreduce up to 4 MiB (measured: 2 MiB 1.15x Sum
-# against 1.41x, 4 MiB 1.14-1.18x against 1.20x, 8 MiB 1.23x against 1.21x).
+# single collective beats RVH's 2 log2(n) + 1 synchronisation points.  At n = 2 RVH, with its
+# exchanges prepared once and its arithmetic on addresses (_Schedule), beats the single
+# exchange at every size measured (4 KiB: 1.29x Sum against 1.49x; 1 MiB: 1.21x against
+# 1.48x), so two ranks always take RVH.  GATHER_LIMIT for n > 2 predates that change.
 GATHER_LIMIT = 1 << 20
-PAIR_GATHER_LIMIT = 4 << 20
+PAIR_GATHER_LIMIT = 0
 
 DotsReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -111,7 +113,11 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
         piece = layers.piece(offset, offset + x.numel())
         dots = reduce_dots(partial_dots(x, other, piece))
         combine_(x, other, True, coefficients(dots), piece)
-    if p > 1:
+    kernels = kernels_for(x)
+    if p > 1 and kernels is not None:
+        _rvh_native(x, kernels, _schedule(layers, x.numel(), offset, order, p, me, comm), comm,
+                    extra_reduce)
+    elif p > 1:
         _rvh(x, layers, comm, order, p, me, reduce_dots, offset)
     if me + p < n:
         _swap(comm, x, None, order[me + p])
@@ -127,6 +133,128 @@ def _swap(comm: Communicator, send: Optional[torch.Tensor], recv: Optional[torch
     if send is not None or recv is not None:
         comm.sendrecv(send, peer if send is not None else None,
                       recv, peer if recv is not None else None)
+
+
+# The first exchange of a level goes in chunks of at least this many elements (at most
+# MAX_CHUNKS), and each chunk's dot products are summed as soon as it arrives, while it is
+# still in cache: one pass over the received half from memory fewer.
+CHUNK_ELEMENTS = 128 << 10
+MAX_CHUNKS = 8
+
+
+class _Level:
+    """One halving step of one rank: it keeps [keep) of its current range, sends [send) to
+    ``peer``, and sums its share of the products over the group of ``2 d`` ranks."""
+
+    def __init__(self, keep, send, peer: int, left: bool, layers: LayerMap, offset: int,
+                 groups: int, row: int, comm: Communicator):
+        self.keep, self.send, self.peer, self.left = keep, send, peer, left
+        self.piece = layers.piece(offset + keep[0], offset + keep[1])
+        # The (groups, layers, 3) table of _sum_over_groups, made once (float64 on the CPU:
+        # the C kernels' path only), and the addresses the kernels take.
+        count = self.piece.layer_count
+        self.table = torch.zeros((groups, count, 3), dtype=torch.float64)
+        self.zero = self.table.numpy().reshape(-1).fill
+        self.row = self.table[row]
+        self.dots = self.row.data_ptr()
+        self.reduce = comm.prepare_allreduce(self.table)
+        self._weights = np.zeros((count, 2))
+        self.weights = self._weights.ctypes.data
+        # Both partners hold the same range, so they agree on the count; the kept and the sent
+        # half (one element longer or shorter) are each cut into that many chunks, and
+        # chunk i of one rank's sent half is chunk i of its partner's kept half.
+        # Only where an exchange is prepared by address (MPI: a few microseconds each); a Gloo
+        # exchange is a round of its own.
+        half = (max(keep[1], send[1]) - min(keep[0], send[0])) // 2
+        count = max(1, min(MAX_CHUNKS, half // CHUNK_ELEMENTS)) if comm.prepared_by_address else 1
+        cuts = [_cuts(*keep, count), _cuts(*send, count)]
+        self.chunks = [(klo, khi, slo, shi, layers.piece(offset + klo, offset + khi))
+                       for (klo, khi), (slo, shi) in zip(*cuts)]
+
+
+def _cuts(lo: int, hi: int, count: int) -> List[Tuple[int, int]]:
+    bounds = [lo + (hi - lo) * i // count for i in range(count + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def _prepare_swap(comm: Communicator, send: torch.Tensor, recv: torch.Tensor, peer: int):
+    if comm.prepared_by_address or (send.numel() and recv.numel()):
+        return comm.prepare_sendrecv(send, peer, recv, peer)
+    return lambda: _swap(comm, send, recv, peer)
+
+
+class _Schedule:
+    """RVH's levels for one rank, one buffer layout and one communicator, and the exchanges
+    prepared for the last buffer it ran on (kept on the LayerMap: the same buffers recur every
+    step, and preparing costs more than the exchanges' own Python work)."""
+
+    def __init__(self, layers: LayerMap, numel: int, offset: int, order, p: int, me: int,
+                 comm: Communicator):
+        self.levels, lo, hi, d = [], 0, numel, 1
+        while d < p:
+            mid = lo + (hi - lo) // 2
+            left = (me // d) % 2 == 0
+            keep, send = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
+            self.levels.append(_Level(keep, send, order[me + d] if left else order[me - d],
+                                      left, layers, offset, p // (2 * d), me // (2 * d), comm))
+            lo, hi = keep
+            d *= 2
+        self._prepared_for = None
+        self._prepared = None
+
+    def steps(self, x: torch.Tensor, comm: Communicator, size: int):
+        """Per level: [(exchange, address of a, address of b, piece)] for its chunks, and the
+        addresses of its kept half and of what it received; then the gather exchanges."""
+        received = max((lv.keep[1] - lv.keep[0] for lv in self.levels), default=0)
+        key = (x.data_ptr(), WORKSPACE.generation)
+        if self._prepared_for == key and comm.prepared_by_address:
+            return self._prepared
+        theirs = WORKSPACE.get("received", received, x.dtype, x.device)
+        base, other = x.data_ptr(), theirs.data_ptr()
+        levels = []
+        for lv in self.levels:
+            lo = lv.keep[0]
+            chunks = []
+            for klo, khi, slo, shi, piece in lv.chunks:
+                exchange = _prepare_swap(comm, x[slo:shi], theirs[klo - lo:khi - lo], lv.peer)
+                mine, got = base + klo * size, other + (klo - lo) * size
+                chunks.append((exchange, *((mine, got) if lv.left else (got, mine)), piece))
+            levels.append((chunks, base + lo * size, other))
+        gathers = [_prepare_swap(comm, x[lv.keep[0]:lv.keep[1]], x[lv.send[0]:lv.send[1]],
+                                 lv.peer)
+                   for lv in reversed(self.levels)]
+        prepared = (levels, gathers)
+        if comm.prepared_by_address:  # others hold the tensors: keeping them would hold x
+            # the workspace may have grown while preparing: key on the generation after it
+            self._prepared_for, self._prepared = (x.data_ptr(), WORKSPACE.generation), prepared
+        return prepared
+
+
+def _schedule(layers: LayerMap, numel: int, offset: int, order, p: int, me: int,
+              comm: Communicator) -> _Schedule:
+    key = ("rvh", numel, offset, tuple(order), p, me, comm, CHUNK_ELEMENTS)
+    found = layers.plans.get(key)
+    if found is None:
+        found = layers.plans[key] = _Schedule(layers, numel, offset, order, p, me, comm)
+    return found
+
+
+def _rvh_native(x: torch.Tensor, kernels: Kernels, schedule: _Schedule, comm: Communicator,
+                extra_reduce: Optional[DotsReduce]):
+    """_rvh for contiguous CPU float32/float64 buffers: the same exchanges and sums, the
+    arithmetic on addresses, tables and exchanges made once (see _Schedule)."""
+    steps, gathers = schedule.steps(x, comm, kernels.itemsize)
+    for level, (chunks, mine, other) in zip(schedule.levels, steps):
+        level.zero(0.0)
+        for exchange, a, b, piece in chunks:
+            exchange()
+            kernels.dots(a, b, piece, level.dots)
+        level.reduce()
+        if extra_reduce is not None:
+            extra_reduce(level.row)
+        kernels.combine(mine, other, level.left, level.dots, level.piece, level.weights)
+    for exchange in gathers:
+        exchange()
 
 
 def _rvh(x, layers: LayerMap, comm: Communicator, order, p: int, me: int,

@@ -58,6 +58,7 @@ def _rvh_every_count():
     the world; returns what each rank computed, for the test process to compare."""
     import horovod_ext.torch as hvd
     from horovod_ext.backends import context
+    import adasum.rvh as rvh_module
     from adasum import adasum_allreduce_
     from tests.test_adasum import layers_for
     r, n = hvd.rank(), hvd.size()
@@ -77,7 +78,16 @@ def _rvh_every_count():
                 off += t.numel()
             rvh = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0)
             gathered = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=1 << 30)
-            results[size] = (group.size, rvh, gathered)
+            # over MPI, the first exchange of every level in chunks (cut across layers, odd
+            # lengths) whose products are summed as they arrive; twice, so the second call
+            # runs the exchanges prepared by the first (Gloo exchanges are never chunked)
+            chunk, rvh_module.CHUNK_ELEMENTS = rvh_module.CHUNK_ELEMENTS, 37
+            try:
+                chunked = [adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0)
+                           for _ in range(2)]
+            finally:
+                rvh_module.CHUNK_ELEMENTS = chunk
+            results[size] = (group.size, rvh, gathered, chunked)
         return results
 
     out["split"] = context.current().execute("test.adasum.split", run_split)
@@ -116,15 +126,19 @@ def test_adasum_every_process_count(backend):
         for members in (range(0, size), range(size, n)):
             inputs = [layers_for(r, seed=size) for r in members]
             expected = ref_tree(inputs, shapes)
-            for path in (1, 2):  # RVH, gather
+            def flat_of(r, path):  # RVH, gather, chunked RVH, chunked RVH prepared before
+                split = results[r]["split"][size]
+                return split[path] if path < 3 else split[3][path - 3]
+
+            for path in (1, 2, 3, 4):
                 for r in members:
-                    group_size, flat = results[r]["split"][size][0], results[r]["split"][size][path]
+                    group_size, flat = results[r]["split"][size][0], flat_of(r, path)
                     assert group_size == len(members)
                     got = list(torch.split(flat, [s.numel() for s in shapes]))
                     err = rel_err(got, expected)
                     assert err < 1e-5, (backend, size, path, list(members), r, err)
                     # every rank holds the same bits, or replicas drift apart
-                    assert torch.equal(flat, results[members[0]]["split"][size][path])
+                    assert torch.equal(flat, flat_of(members[0], path))
     for dtype in DTYPES:
         expected = ref_tree([layers_for(r, 50, dtype) for r in range(n)], shapes)
         for r in range(n):

@@ -12,7 +12,7 @@ communicator's timeout.
 import enum
 import pickle
 from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -84,6 +84,24 @@ class Communicator(ABC):
 
     def close(self) -> None:
         """Release transport resources; the communicator is unusable afterwards."""
+
+    # --- the same call again and again --------------------------------------------------------
+    # Algorithms that repeat one exchange every step (Adasum's levels) can prepare it once.
+    # Right after a large transfer has evicted the caches, each torch op on the way to the
+    # transport (a slice, a tensor -> buffer conversion) costs tens of microseconds here.
+    #: True when prepared calls hold no reference to the tensors, only their addresses: they
+    #: stay valid for any later tensor with the same memory, and keeping them frees nothing late.
+    prepared_by_address = False
+
+    def prepare_sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor,
+                         src: int) -> Callable[[], None]:
+        """``sendrecv(send, dst, recv, src)`` as a function to call any number of times."""
+        return lambda: self.sendrecv(send, dst, recv, src)
+
+    def prepare_allreduce(self, tensor: torch.Tensor,
+                          op: ReduceOp = ReduceOp.SUM) -> Callable[[], None]:
+        """``allreduce(tensor, op)`` (in place) as a function to call any number of times."""
+        return lambda: self.allreduce(tensor, op)
 
     # --- dtype handling shared by all implementations ----------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:

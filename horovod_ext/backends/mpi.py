@@ -217,6 +217,39 @@ class MPICommunicator(Communicator):
         if orig is not None:
             orig.copy_(staged)
 
+    # CPU buffers by address (contiguous, any dtype: point-to-point moves bytes).
+    prepared_by_address = True
+
+    def prepare_sendrecv(self, send, dst, recv, src):
+        if send.is_cuda or recv.is_cuda or not (send.is_contiguous() and recv.is_contiguous()):
+            return super().prepare_sendrecv(send, dst, recv, src)
+        MPI = _mpi()
+        sbuf = [MPI.buffer.fromaddress(send.data_ptr(), send.numel() * send.element_size()),
+                MPI.BYTE]
+        rbuf = [MPI.buffer.fromaddress(recv.data_ptr(), recv.numel() * recv.element_size()),
+                MPI.BYTE]
+        exchange, guard = self.comm.Sendrecv, _Deadline(self, "sendrecv")
+
+        def run():
+            with guard:
+                exchange(sbuf, dst, 17, rbuf, src, 17)
+        return run
+
+    def prepare_allreduce(self, tensor, op=ReduceOp.SUM):
+        if (tensor.is_cuda or not tensor.is_contiguous()
+                or tensor.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64)):
+            return super().prepare_allreduce(tensor, op)
+        MPI = _mpi()
+        array = np.frombuffer(MPI.buffer.fromaddress(tensor.data_ptr(),
+                                                     tensor.numel() * tensor.element_size()),
+                              dtype=tensor.numpy().dtype)
+        reduce, mpi_op, guard = self.comm.Allreduce, self._ops[op], _Deadline(self, "allreduce")
+
+        def run():
+            with guard:
+                reduce(MPI.IN_PLACE, array, mpi_op)
+        return run
+
     def barrier(self):
         with self._guard("barrier"):
             self.comm.Barrier()

@@ -13,6 +13,9 @@ import torch
 class Workspace:
     def __init__(self):
         self._tensors: Dict[Tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        # Bumped whenever a tensor is replaced: callers that kept addresses of earlier views
+        # know they must ask again.
+        self.generation = 0
 
     def get(self, name: str, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A 1-D tensor of ``numel`` elements (uninitialised) kept under ``name``."""
@@ -21,4 +24,5 @@ class Workspace:
         t = self._tensors.get(key)
         if t is None or t.numel() < numel:
             t = self._tensors[key] = torch.empty(numel, dtype=dtype, device=device)
+            self.generation += 1
         return t[:numel]
