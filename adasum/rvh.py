@@ -206,7 +206,7 @@ class _Schedule:
         """Per level: [(exchange, address of a, address of b, piece)] for its chunks, and the
         addresses of its kept half and of what it received; then the gather exchanges."""
         received = max((lv.keep[1] - lv.keep[0] for lv in self.levels), default=0)
-        key = (x.data_ptr(), WORKSPACE.generation)
+        key = (x.data_ptr(), x.dtype, WORKSPACE.generation)
         if self._prepared_for == key and comm.prepared_by_address:
             return self._prepared
         theirs = WORKSPACE.get("received", received, x.dtype, x.device)
@@ -226,7 +226,8 @@ class _Schedule:
         prepared = (levels, gathers)
         if comm.prepared_by_address:  # others hold the tensors: keeping them would hold x
             # the workspace may have grown while preparing: key on the generation after it
-            self._prepared_for, self._prepared = (x.data_ptr(), WORKSPACE.generation), prepared
+            self._prepared_for = (x.data_ptr(), x.dtype, WORKSPACE.generation)
+            self._prepared = prepared
         return prepared
 
 
