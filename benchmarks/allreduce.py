@@ -35,7 +35,10 @@ SIZES = [4 * KIB * 4 ** i for i in range(7)] + [64 * KIB * KIB]   # 4 KiB .. 16 
 def _per_call(fn, calls, barrier, gap_s=0.0):
     """Seconds per call over ``calls`` calls started together on every rank; with ``gap_s``,
     each call follows that much busy work (not counted), as a training step computes between
-    its reductions."""
+    its reductions.  One call first, not counted: the method before this one (eight buffers
+    for hvd_x8) has evicted this one's buffer from the caches, and at 16 MiB that first cold
+    call alone would add ~10% to a block of eight."""
+    fn()
     barrier()
     clock = time.perf_counter
     t0 = clock()

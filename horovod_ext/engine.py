@@ -33,6 +33,7 @@ from .backends.base import CommunicationError, split_sizes
 from .backends.control import ControlChannel
 from .collectives import Collectives
 from .config import Config
+from .fast_lane import CachedAllreduce
 from .fusion import FusionBuffers, layers_of
 from .ops import average_, get_op, scale_
 
@@ -127,6 +128,7 @@ class Request:
     handle: Optional[Handle] = None
     meta: Tuple = field(default=())
     fn: Optional[Callable] = None   # kind "custom": fn(topology) runs on the engine thread
+    lane_key: Optional[Tuple] = None  # a synchronous allreduce_ that may recur (fast_lane.py)
 
     def tensor_names(self) -> List[str]:
         if len(self.tensors) == 1:
@@ -231,7 +233,9 @@ class Engine:
         self._abort_next: List[str] = []
         self._last_round_active = False
         self.shutdown_errors: List[str] = []   # names left unmatched, reported by shutdown()
-        self.stats = {"cycles": 0, "cache_hits": 0, "announced": 0, "fused_buffers": 0}
+        self.stats = {"cycles": 0, "cache_hits": 0, "announced": 0, "fused_buffers": 0,
+                      "fast_lane": 0}
+        self._plans: Dict[str, CachedAllreduce] = {}   # by name: see fast_lane.py
         self._fusion = FusionBuffers()
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._caller_cycle = False            # a blocked caller is running a cycle
@@ -301,6 +305,73 @@ class Engine:
             with self._cond:
                 self._waiters -= 1
 
+    def allreduce_cached_(self, name: str, key: Tuple, tensor: torch.Tensor,
+                          make_request: Callable[[], Request]):
+        """The steady-state lane of a synchronous in-place allreduce (fast_lane.py).  Returns
+        True once ``tensor`` is reduced; False when nothing was sent (take the general path);
+        a Handle when the request went out but must finish on the general path (another rank
+        sent something else): wait for it.  ``make_request()`` builds the general request."""
+        plan = self._plans.get(name)
+        if plan is None or plan.key != key or self._cache.by_id.get(plan.cid) is not plan.entry:
+            return False
+        if not self._cycle_lock.acquire(blocking=False):
+            return False
+        try:
+            # Only the thread holding _cycle_lock changes these, except _new (a list read is
+            # atomic; a request submitted right after this check waits for the next cycle).
+            if (self._new or self._local or self._pending or self._joined or self._abort_next
+                    or self._stopped or self._shutdown_requested):
+                return False
+            try:
+                messages = self.control.agree(plan.message, True)
+                self.stats["cycles"] += 1
+                self.stats["cache_hits"] += 1
+                if messages is None:  # every rank sent this cached request alone: run it
+                    self._last_round_active = True
+                    self.stats["fast_lane"] += 1
+                    plan.run(tensor, lambda: self._run_now(make_request()))
+                    return True
+            except CommunicationError as exc:
+                self._stop_on(exc)
+                raise self._fatal from exc
+            except HorovodInternalError:
+                raise
+            except Exception as exc:  # the op failed on this request: fail it, keep running
+                raise HorovodInternalError(f"allreduce of '{name}' failed: {exc}") from exc
+            # Some rank sent something else: the request is announced (by its cache id) and
+            # continues on the general path from this round's messages.
+            request = make_request()
+            request.handle = Handle(name, self)
+            request.meta = request.describe()
+            with self._cond:
+                self._local[name] = request
+            self._run_round(lambda: self._after_round(plan.message, messages, True))
+            return request.handle
+        finally:
+            self._last_end = time.monotonic()
+            self._cycle_lock.release()
+
+    def _run_now(self, request: Request):
+        """Execute one ready allreduce at once, on this thread (the lane's general case)."""
+        request.handle = Handle(request.name, self)
+        self._run_allreduce([request])
+        if request.handle._error is not None:
+            raise request.handle._error
+
+    def _keep_plan(self, request: Request, tensor: torch.Tensor):
+        """After a synchronous in-place allreduce: what its next identical call needs."""
+        cid = self._cache.by_name.get(request.name)
+        if cid is None:
+            return
+        entry = self._cache.by_id[cid]
+        plan = self._plans.get(request.name)
+        if plan is not None and plan.key == request.lane_key and plan.entry is entry:
+            return
+        if len(self._plans) >= self.config.cache_capacity:
+            self._plans.clear()
+        self._plans[request.name] = CachedAllreduce(
+            request.lane_key, cid, entry, _encode([cid], [], False, []), tensor, self.comms)
+
     def shutdown(self):
         with self._cond:
             self._shutdown_requested = True
@@ -335,11 +406,16 @@ class Engine:
                 self._local[r.name] = r
             shutdown = self._shutdown_requested
             caller_blocked = caller_blocked or self._waiters > 0
+        self._run_round(lambda: self._cycle(new, shutdown, caller_blocked))
+
+    def _run_round(self, round_fn: Callable[[], bool]):
+        """Run a cycle's work; it returns True when the engine should stop.  Failures reach
+        every waiting handle."""
         try:
-            stop = self._cycle(new, shutdown, caller_blocked)
+            stop = round_fn()
         except BaseException as exc:  # noqa: B902 - any failure must reach the waiting callers
-            self._fail_everything(exc)
-            stop = True
+            self._stop_on(exc)
+            stop = False
         # Counted from the end of a cycle: after a long execution the caller gets a moment to
         # submit its next request before this rank negotiates again.
         self._last_end = time.monotonic()
@@ -347,6 +423,12 @@ class Engine:
             with self._cond:
                 self._stopped = True
                 self._cond.notify_all()
+
+    def _stop_on(self, exc: BaseException):
+        self._fail_everything(exc)
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
 
     def _due(self) -> bool:
         """Whether the background thread should run a cycle now (caller holds _cond)."""
@@ -384,18 +466,25 @@ class Engine:
                 self.stats["announced"] += 1
         aborts, self._abort_next = self._abort_next, []
         message = _encode(cache_ids, announce, shutdown, aborts)
-        messages = self.control.allgather(message, caller_blocked)
+        messages = self.control.agree(message, caller_blocked)
         self.stats["cycles"] += 1
-        if (cache_ids and not announce and not shutdown and not aborts
-                and not self._pending and not self._joined
-                and all(m == message for m in messages)):
+        only_cached = bool(cache_ids) and not announce and not shutdown and not aborts
+        return self._after_round(message, messages, only_cached)
+
+    def _after_round(self, message: bytes, messages: Optional[List[bytes]],
+                     only_cached: bool) -> bool:
+        """Everything after the round: ``messages`` is None when every rank sent ``message``;
+        ``only_cached``: it holds cache ids and nothing else.  True when the engine should
+        stop."""
+        if messages is None and only_cached and not self._pending and not self._joined:
             # The steady state: every rank submitted these cached requests in this order and
             # nothing else (nothing is pending anywhere: that table is the same on every rank),
             # so they are ready everywhere with the descriptions agreed when they were cached.
             self._last_round_active = True
+            cache_ids = _decode(message)[0]
             self._execute([self._cache.by_id[cid] + (None,) for cid in cache_ids])
             return False
-        gathered = [_decode(m) for m in messages]
+        gathered = [_decode(m) for m in (messages or [message] * self.size)]
 
         any_shutdown = False
         now = time.monotonic()
@@ -527,6 +616,8 @@ class Engine:
             for r in members:
                 r.handle._finish(error=HorovodInternalError(f"allreduce of '{r.name}' failed: {exc}"))
             return
+        if first.lane_key is not None and target is not None:
+            self._keep_plan(first, target)
         if target is not None and buffer.data_ptr() == target.data_ptr():
             # The usual in-place call: the result is already where it belongs.  (Slicing costs
             # tens of microseconds right after a large transfer has evicted the caches.)

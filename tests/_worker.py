@@ -27,11 +27,15 @@ def main():
         result = func(*args)
         if init:
             hvd.shutdown()
-        with open(os.path.join(result_dir, f"{rank}.pkl"), "wb") as f:
+        path = os.path.join(result_dir, f"{rank}.pkl")
+        with open(path + ".part", "wb") as f:
             pickle.dump(result, f)
+        os.replace(path + ".part", path)  # whole or absent: the harness may read it at once
     except BaseException:
-        with open(os.path.join(result_dir, f"{rank}.err"), "w") as f:
+        path = os.path.join(result_dir, f"{rank}.err")
+        with open(path + ".part", "w") as f:
             f.write(traceback.format_exc())
+        os.replace(path + ".part", path)
         sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
         sys.stderr.flush()
         os._exit(1)

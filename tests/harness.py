@@ -53,9 +53,12 @@ def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str]) -> L
 
 def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
               args: Sequence = (), timeout: float = 90, hostnames: Optional[Sequence[str]] = None,
-              init: bool = True, expect_failure: bool = False, with_output: bool = False):
+              init: bool = True, expect_failure: bool = False, with_output: bool = False,
+              settle_on: Sequence[int] = ()):
     """Per-rank return values of ``fn(*args)`` (with with_output, also the ranks' combined
-    output); with expect_failure, the RanksFailed instead."""
+    output); with expect_failure, the RanksFailed instead.  ``settle_on``: once these ranks
+    have reported, the others are stopped (a test that freezes a rank on purpose need not wait
+    for the timeout)."""
     result_dir = tempfile.mkdtemp(prefix="hvd_test_")
     with open(os.path.join(result_dir, "args.pkl"), "wb") as f:
         pickle.dump((tuple(args), init), f)
@@ -96,7 +99,13 @@ def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] 
 
     deadline = time.monotonic() + timeout
     timed_out = False
+    def reported(rank):
+        return any(os.path.exists(os.path.join(result_dir, f"{rank}.{ext}"))
+                   for ext in ("pkl", "err"))
+
     while any(p.poll() is None for p in procs):
+        if settle_on and all(reported(r) for r in settle_on):
+            break
         if time.monotonic() > deadline:
             timed_out = True
             break

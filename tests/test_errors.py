@@ -74,20 +74,29 @@ def test_name_submitted_by_some_ranks_fails_at_shutdown(backend):
     assert "lonely" in out[0][1]
 
 
-def body_peer_lost(how):
+def body_peer_lost(how, lane=False):
     """Rank 1 dies (``exit``) or freezes (``stop``) after a first allreduce; rank 0 reports how
-    long its next allreduce took to fail, and with what message."""
+    long its next allreduce took to fail, and with what message.  ``lane``: the calls are a
+    recurring hvd.allreduce_, which takes the engine's steady-state lane (fast_lane.py)."""
     import os
     import signal
     import horovod_ext.torch as hvd
-    hvd.allreduce(torch.ones(1), name="warmup")
+    from horovod_ext import runtime
+    steady = torch.ones(1)
+    for _ in range(3 if lane else 1):
+        hvd.allreduce_(steady, name="warmup")
+    if lane:
+        assert runtime.engine().stats["fast_lane"] >= 1
     if hvd.rank() == 1:
         if how == "exit":
             os._exit(3)
         os.kill(os.getpid(), signal.SIGSTOP)
     start = time.monotonic()
     try:
-        hvd.allreduce(torch.ones(1), name="after_loss")
+        if lane:
+            hvd.allreduce_(steady, name="warmup")
+        else:
+            hvd.allreduce(torch.ones(1), name="after_loss")
         return None
     except hvd.HorovodInternalError as exc:
         return str(exc), time.monotonic() - start
@@ -103,14 +112,44 @@ def test_dead_peer_becomes_an_error():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("lane", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_silent_peer_times_out_with_its_rank_named(backend):
-    failure = run_ranks(body_peer_lost, 2, backend, args=("stop",), expect_failure=True,
-                        timeout=40,
+def test_silent_peer_times_out_with_its_rank_named(backend, lane):
+    failure = run_ranks(body_peer_lost, 2, backend, args=("stop", lane), expect_failure=True,
+                        timeout=40, settle_on=[0],
                         env={"HOROVOD_COMM_TIMEOUT_SECONDS": "4"})
     message, elapsed = failure.results[0]
     assert "rank 1" in message and "did not answer within 4 s" in message, message
     assert elapsed < 10
+
+
+def body_data_call_hangs(prepared):
+    """Rank 0 enters an MPI allreduce that rank 1 never joins (straight on the communicator,
+    past the engine's negotiation, which would otherwise catch the missing rank first)."""
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    world = runtime.state.comms.world
+    if hvd.rank() == 0:
+        t = torch.ones(4)
+        if prepared:
+            world.prepare_allreduce_by_address(t)()
+        else:
+            world.allreduce(t)
+    else:
+        time.sleep(60)  # stays alive, outside MPI, until the watchdog ends the job
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("prepared", [False, True])
+def test_mpi_watchdog_ends_a_data_call_that_outlives_the_timeout(prepared):
+    start = time.monotonic()
+    failure = run_ranks(body_data_call_hangs, 2, "mpi", args=(prepared,), expect_failure=True,
+                        timeout=40, env={"HOROVOD_COMM_TIMEOUT_SECONDS": "2"})
+    assert ("MPI allreduce on rank 0 of 2 did not finish within 2 s" in failure.output
+            and "aborting the job" in failure.output), failure.output
+    assert "returned" not in [r for r in failure.results if r]
+    assert time.monotonic() - start < 30
 
 
 def body_stall():

@@ -103,6 +103,12 @@ class Communicator(ABC):
         """``allreduce(tensor, op)`` (in place) as a function to call any number of times."""
         return lambda: self.allreduce(tensor, op)
 
+    def prepare_allreduce_by_address(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM
+                                     ) -> Optional[Callable[[], None]]:
+        """``prepare_allreduce`` holding only ``tensor``'s address (valid for any later tensor
+        with the same memory, dtype and size), or None where this communicator cannot."""
+        return None
+
     # --- dtype handling shared by all implementations ----------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """In-place allreduce; returns ``tensor``.  bool reduces as OR (sum, max) / AND."""

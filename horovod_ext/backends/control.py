@@ -146,6 +146,12 @@ class ControlChannel:
         self._tell_all(StarFrames.ok(gathered))
         return gathered
 
+    def agree(self, payload: bytes, caller_blocked: bool = False) -> Optional[List[bytes]]:
+        """None when every rank sent ``payload`` (the engine's steady state), otherwise every
+        rank's payload in rank order."""
+        messages = self.allgather(payload, caller_blocked)
+        return None if all(m == payload for m in messages) else messages
+
     def _tell_all(self, frame: bytes, ok: bool = True):
         failed = []
         for peer, sock in self._peers.items():

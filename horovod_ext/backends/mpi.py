@@ -8,10 +8,10 @@ run under a watchdog: a call that outlives the timeout aborts the job with a mes
 operation and rank, so nothing hangs.  The engine's negotiation, which runs over its own control
 plane, catches dead and silent peers before a data call is entered in almost every case.
 """
-import itertools
 import logging
 import threading
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -25,37 +25,29 @@ def _mpi():
 
 
 class _Watchdog:
-    """One thread watching the deadlines of the MPI calls in flight."""
+    """One thread watching the deadlines of the MPI calls in flight.  A call arms its
+    ``_Deadline`` by setting the deadline's ``until`` (no lock, no allocation: a reduction
+    pays ~0.1 us); the thread checks every registered deadline four times a second."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._armed = {}
-        self._ids = itertools.count()
+        self._deadlines = weakref.WeakSet()
         self._thread = None
 
-    def arm(self, deadline: float, message) -> int:
-        """``message``: the text to print if the deadline passes, or a function making it (the
-        calls that finish in time, nearly all, never pay for formatting it)."""
+    def register(self, deadline: "_Deadline"):
         with self._lock:
-            token = next(self._ids)
-            self._armed[token] = (deadline, message)
+            self._deadlines.add(deadline)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._watch, daemon=True,
                                                 name="horovod_ext-mpi-watchdog")
                 self._thread.start()
-        return token
-
-    def disarm(self, token: int):
-        with self._lock:
-            self._armed.pop(token, None)
 
     def _watch(self):
         while True:
             time.sleep(0.25)
             now = time.monotonic()
             with self._lock:
-                late = [m if isinstance(m, str) else m()
-                        for d, m in self._armed.values() if now > d]
+                late = [d.message() for d in list(self._deadlines) if 0.0 < d.until < now]
             if late:
                 logging.getLogger("horovod_ext").critical("%s", late[0])
                 import sys
@@ -68,21 +60,23 @@ _WATCHDOG = _Watchdog()
 
 
 class _Deadline:
-    """The watchdog armed for one blocking call of ``comm`` (a plain class rather than
-    @contextmanager, which costs twice as much on a path taken for every reduction)."""
+    """The watchdog's view of one kind of blocking call of ``comm``: armed (``until`` > 0)
+    while such a call runs.  One per communicator and kind of call, made once (calls of a
+    communicator run one at a time: the engine's cycle lock)."""
 
-    __slots__ = ("_comm", "_what", "_token")
+    __slots__ = ("_comm", "_what", "until", "__weakref__")
 
     def __init__(self, comm: "MPICommunicator", what: str):
-        self._comm, self._what = comm, what
+        self._comm, self._what, self.until = comm, what, 0.0
+        _WATCHDOG.register(self)
 
     def __enter__(self):
-        self._token = _WATCHDOG.arm(time.monotonic() + self._comm._timeout, self._message)
+        self.until = time.monotonic() + self._comm._timeout
 
     def __exit__(self, *exc_info):
-        _WATCHDOG.disarm(self._token)
+        self.until = 0.0
 
-    def _message(self) -> str:  # made only when the deadline has passed
+    def message(self) -> str:  # made only when the deadline has passed
         c = self._comm
         return (f"MPI {self._what} on rank {c.rank} of {c.size} did not finish within "
                 f"{c._timeout:.0f} s: a peer has died or stopped answering; aborting the job")
@@ -105,6 +99,7 @@ class MPICommunicator(Communicator):
         self.size = comm.Get_size()
         self._timeout = timeout
         self._cuda_aware = None
+        self._guards = {}
         MPI = _mpi()
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
                      ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
@@ -138,7 +133,10 @@ class MPICommunicator(Communicator):
         """Blocking MPI calls (libnbc's non-blocking ones are up to 3x slower for large
         messages here) under a watchdog: one that outlives the timeout aborts the job with a
         message, since an MPI call cannot be interrupted."""
-        return _Deadline(self, what)
+        guard = self._guards.get(what)
+        if guard is None:
+            guard = self._guards[what] = _Deadline(self, what)
+        return guard
 
     # --- collectives --------------------------------------------------------------------------
     def _allreduce(self, tensor, op):
@@ -228,26 +226,38 @@ class MPICommunicator(Communicator):
                 MPI.BYTE]
         rbuf = [MPI.buffer.fromaddress(recv.data_ptr(), recv.numel() * recv.element_size()),
                 MPI.BYTE]
-        exchange, guard = self.comm.Sendrecv, _Deadline(self, "sendrecv")
+        exchange, guard, timeout = self.comm.Sendrecv, self._guard("sendrecv"), self._timeout
+        clock = time.monotonic
 
         def run():
-            with guard:
+            guard.until = clock() + timeout
+            try:
                 exchange(sbuf, dst, 17, rbuf, src, 17)
+            finally:
+                guard.until = 0.0
         return run
 
     def prepare_allreduce(self, tensor, op=ReduceOp.SUM):
-        if (tensor.is_cuda or not tensor.is_contiguous()
+        return (self.prepare_allreduce_by_address(tensor, op)
+                or super().prepare_allreduce(tensor, op))
+
+    def prepare_allreduce_by_address(self, tensor, op=ReduceOp.SUM):
+        if (tensor.is_cuda or not tensor.is_contiguous() or tensor.numel() == 0
                 or tensor.dtype not in (torch.float32, torch.float64, torch.int32, torch.int64)):
-            return super().prepare_allreduce(tensor, op)
+            return None
         MPI = _mpi()
         array = np.frombuffer(MPI.buffer.fromaddress(tensor.data_ptr(),
                                                      tensor.numel() * tensor.element_size()),
                               dtype=tensor.numpy().dtype)
-        reduce, mpi_op, guard = self.comm.Allreduce, self._ops[op], _Deadline(self, "allreduce")
+        reduce, mpi_op, in_place = self.comm.Allreduce, self._ops[op], MPI.IN_PLACE
+        guard, timeout, clock = self._guard("allreduce"), self._timeout, time.monotonic
 
         def run():
-            with guard:
-                reduce(MPI.IN_PLACE, array, mpi_op)
+            guard.until = clock() + timeout
+            try:
+                reduce(in_place, array, mpi_op)
+            finally:
+                guard.until = 0.0
         return run
 
     def barrier(self):

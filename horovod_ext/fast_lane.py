@@ -1,0 +1,61 @@
+"""The steady-state lane of a synchronous in-place allreduce (``hvd.allreduce_``).
+
+A training loop reduces the same named tensors, at the same addresses, again and again.  After
+such a request has completed once through the general path (negotiated, cached, executed), the
+engine keeps a ``CachedAllreduce`` for its name: the cycle message that announces it by cache id
+and, on MPI, the data call prepared by address, so that no torch op runs around the transfer
+(right after a large transfer each one costs tens of microseconds here).  The next identical
+call, made while the engine is idle, sends that message; when every rank sent the same one, the
+request runs at once.  Otherwise it joins the general path where the message left it, so
+mismatches and stragglers are handled exactly as before.
+"""
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .collectives import Collectives
+from .ops import AverageOp, ElementwiseOp, Op, average_
+
+Key = Tuple
+
+
+def key_of(tensor, op: Op, prescale: float, postscale: float) -> Optional[Key]:
+    """What two calls must share for the second to reuse the first's plan, or None for a
+    tensor the lane does not take (anything but a dense contiguous CPU tensor)."""
+    if (not isinstance(tensor, torch.Tensor) or not tensor.is_cpu
+            or tensor.layout != torch.strided or not tensor.is_contiguous()):
+        return None
+    return (tensor.data_ptr(), tensor.dtype, tensor.shape, op, prescale, postscale)
+
+
+class CachedAllreduce:
+    """One named in-place allreduce, ready to run again."""
+
+    __slots__ = ("key", "cid", "entry", "message", "_prepared", "_average", "_size")
+
+    def __init__(self, key: Key, cid: int, entry, message: bytes, tensor: torch.Tensor,
+                 comms: Collectives):
+        self.key = key
+        self.cid = cid            # its response-cache id, and the entry (compared by identity):
+        self.entry = entry        # an evicted or replaced entry ends the plan
+        self.message = message    # this request's cycle message: its cache id alone
+        _, dtype, _, op, prescale, postscale = key
+        self._size = comms.world.size
+        self._average = type(op) is AverageOp
+        self._prepared: Optional[Callable[[], None]] = None
+        flat_elementwise = (type(op) in (ElementwiseOp, AverageOp) and dtype != torch.bool
+                            and prescale == postscale == 1.0
+                            and not (comms.hierarchical_allreduce and comms.hierarchy_applies))
+        if flat_elementwise:
+            self._prepared = comms.world.prepare_allreduce_by_address(tensor.view(-1),
+                                                                      op.reduce_op)
+
+    def run(self, tensor: torch.Tensor, general: Callable[[], None]) -> None:
+        """Reduce ``tensor`` in place: the prepared call where there is one, otherwise
+        ``general()``, the engine's own execution of the request."""
+        if self._prepared is None:
+            general()
+            return
+        self._prepared()
+        if self._average:
+            average_(tensor, self._size)
