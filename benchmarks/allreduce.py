@@ -89,7 +89,9 @@ def worker(args):
     # calls for the transport and for us, which ends the overlap of back-to-back calls that
     # Gloo otherwise gets (see the module docstring).
     gap = args.gap_us * 1e-6
-    methods = {"hvd": (in_place, 0.0), "raw": (raw_call, 0.0),
+    # raw_again: the raw call once more in another slot of the rotation.  Its difference from
+    # raw (an A/A comparison) is the noise floor of this machine for the "over" columns.
+    methods = {"hvd": (in_place, 0.0), "raw": (raw_call, 0.0), "raw_again": (raw_call, 0.0),
                "hvd_gap": (in_place, gap), "raw_gap": (raw_call, gap),
                "hvd_copy": (lambda buf: hvd.allreduce(buf, op=hvd.Sum, name="bench_copy"), 0.0),
                "hvd_x8": (hvd_x8, 0.0)}
@@ -112,6 +114,14 @@ def worker(args):
         row = {"size": size, "calls": calls * blocks}
         for m, ts in samples.items():
             row[f"{m}_us"] = statistics.median(ts) * 1e6 / (8 if m == "hvd_x8" else 1)
+        if "raw" in samples:
+            # Each hvd block against the raw block run right next to it: drift of this shared
+            # machine between blocks (often larger than the difference measured) cancels out.
+            for ours, theirs, key in (("hvd", "raw", "paired_overhead_pct"),
+                                      ("hvd_gap", "raw_gap", "paired_gap_overhead_pct"),
+                                      ("raw_again", "raw", "paired_a_a_pct")):
+                row[key] = 100.0 * (statistics.median(
+                    a / b for a, b in zip(samples[ours], samples[theirs])) - 1.0)
         rows.append(row)
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
@@ -148,8 +158,11 @@ def main():
     print("raw: the transport alone, in place; hvd_: hvd.allreduce_ (in place); back to back, "
           f"and after {args.gap_us:g} us of busy work per call (gap);\nhvd: hvd.allreduce (new "
           "tensor); x8/tensor: 8 async allreduce_ in flight, time per tensor.  Medians, us.")
-    print(f"{'transport':<9} {'size':>9} {'raw':>9} {'hvd_':>9} {'over':>7} {'raw gap':>9} "
-          f"{'hvd_ gap':>9} {'over':>7} {'hvd':>9} {'x8/tensor':>9}", flush=True)
+    print("over: the median over blocks of each hvd_ block's time against the raw block next "
+          "to it, in percent (JSON: paired_*; the ratio of the medians is in it too);\na/a: the "
+          "same for a second raw block against the first, the noise floor of this machine.")
+    print(f"{'transport':<9} {'size':>9} {'raw':>9} {'hvd_':>9} {'over':>7} {'a/a':>7} "
+          f"{'raw gap':>9} {'hvd_ gap':>9} {'over':>7} {'hvd':>9} {'x8/tensor':>9}", flush=True)
     for kind in args.backends.split(","):
         rows = launch(kind, args.np, args.sizes, args.seconds, args.gap_us)
         report["local"][kind] = rows
@@ -158,8 +171,10 @@ def main():
             r["gap_overhead_pct"] = 100.0 * (r["hvd_gap_us"] / r["raw_gap_us"] - 1.0)
             r["x8_overhead_pct"] = 100.0 * (r["hvd_x8_us"] / r["raw_us"] - 1.0)
             print(f"{kind:<9} {_spawn.human(r['size']):>9} {r['raw_us']:>9.1f} {r['hvd_us']:>9.1f} "
-                  f"{r['overhead_pct']:>6.1f}% {r['raw_gap_us']:>9.1f} {r['hvd_gap_us']:>9.1f} "
-                  f"{r['gap_overhead_pct']:>6.1f}% {r['hvd_copy_us']:>9.1f} "
+                  f"{r['paired_overhead_pct']:>6.1f}% {r['paired_a_a_pct']:>6.1f}% "
+                  f"{r['raw_gap_us']:>9.1f} "
+                  f"{r['hvd_gap_us']:>9.1f} {r['paired_gap_overhead_pct']:>6.1f}% "
+                  f"{r['hvd_copy_us']:>9.1f} "
                   f"{r['hvd_x8_us']:>9.1f}", flush=True)
     if args.lab:
         sizes = [s for s in args.sizes if s >= 1024 * KIB] or args.sizes

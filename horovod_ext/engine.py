@@ -35,7 +35,7 @@ from .collectives import Collectives
 from .config import Config
 from .fast_lane import CachedAllreduce
 from .fusion import FusionBuffers, layers_of
-from .ops import average_, get_op, scale_
+from .ops import average_, get_op, reduce_flat, scale_
 
 log = logging.getLogger("horovod_ext")
 
@@ -329,7 +329,7 @@ class Engine:
                 if messages is None:  # every rank sent this cached request alone: run it
                     self._last_round_active = True
                     self.stats["fast_lane"] += 1
-                    plan.run(tensor, lambda: self._run_now(make_request()))
+                    plan.run(tensor)
                     return True
             except CommunicationError as exc:
                 self._stop_on(exc)
@@ -351,13 +351,6 @@ class Engine:
             self._last_end = time.monotonic()
             self._cycle_lock.release()
 
-    def _run_now(self, request: Request):
-        """Execute one ready allreduce at once, on this thread (the lane's general case)."""
-        request.handle = Handle(request.name, self)
-        self._run_allreduce([request])
-        if request.handle._error is not None:
-            raise request.handle._error
-
     def _keep_plan(self, request: Request, tensor: torch.Tensor):
         """After a synchronous in-place allreduce: what its next identical call needs."""
         cid = self._cache.by_name.get(request.name)
@@ -370,7 +363,8 @@ class Engine:
         if len(self._plans) >= self.config.cache_capacity:
             self._plans.clear()
         self._plans[request.name] = CachedAllreduce(
-            request.lane_key, cid, entry, _encode([cid], [], False, []), tensor, self.comms)
+            request.lane_key, cid, entry, _encode([cid], [], False, []), request.name, tensor,
+            self.comms)
 
     def shutdown(self):
         with self._cond:
@@ -607,9 +601,7 @@ class Engine:
             buffer = self._fusion.pack(tensors)
             self.stats["fused_buffers"] += 1
         try:
-            scale_(buffer, first.prescale)
-            buffer = op.allreduce(buffer, layers, self.comms)
-            scale_(buffer, first.postscale)
+            buffer = reduce_flat(op, buffer, layers, self.comms, first.prescale, first.postscale)
         except CommunicationError:
             raise
         except Exception as exc:  # the op itself failed: fail these requests, keep running

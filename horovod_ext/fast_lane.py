@@ -2,19 +2,21 @@
 
 A training loop reduces the same named tensors, at the same addresses, again and again.  After
 such a request has completed once through the general path (negotiated, cached, executed), the
-engine keeps a ``CachedAllreduce`` for its name: the cycle message that announces it by cache id
-and, on MPI, the data call prepared by address, so that no torch op runs around the transfer
-(right after a large transfer each one costs tens of microseconds here).  The next identical
-call, made while the engine is idle, sends that message; when every rank sent the same one, the
-request runs at once.  Otherwise it joins the general path where the message left it, so
-mismatches and stragglers are handled exactly as before.
+engine keeps a ``CachedAllreduce`` for its name: the cycle message that announces it by cache id,
+its layer table, and, on MPI, the data call of an elementwise op prepared by address, so that
+no torch op runs around the transfer (right after a large transfer each one costs tens of
+microseconds here).  The next identical call, made while the engine is idle, sends that
+message; when every rank sent the same one, the request runs at once.  Otherwise it joins the
+general path where the message left it, so mismatches and stragglers are handled exactly as
+before.
 """
 from typing import Callable, Optional, Tuple
 
 import torch
 
 from .collectives import Collectives
-from .ops import AverageOp, ElementwiseOp, Op, average_
+from .fusion import layers_of
+from .ops import AverageOp, ElementwiseOp, Op, average_, reduce_flat
 
 Key = Tuple
 
@@ -31,16 +33,18 @@ def key_of(tensor, op: Op, prescale: float, postscale: float) -> Optional[Key]:
 class CachedAllreduce:
     """One named in-place allreduce, ready to run again."""
 
-    __slots__ = ("key", "cid", "entry", "message", "_prepared", "_average", "_size")
+    __slots__ = ("key", "cid", "entry", "message", "_op", "_layers", "_comms", "_prepared",
+                 "_average")
 
-    def __init__(self, key: Key, cid: int, entry, message: bytes, tensor: torch.Tensor,
-                 comms: Collectives):
+    def __init__(self, key: Key, cid: int, entry, message: bytes, name: str,
+                 tensor: torch.Tensor, comms: Collectives):
         self.key = key
         self.cid = cid            # its response-cache id, and the entry (compared by identity):
         self.entry = entry        # an evicted or replaced entry ends the plan
         self.message = message    # this request's cycle message: its cache id alone
         _, dtype, _, op, prescale, postscale = key
-        self._size = comms.world.size
+        self._op, self._comms = op, comms
+        self._layers = layers_of([tensor], [name])
         self._average = type(op) is AverageOp
         self._prepared: Optional[Callable[[], None]] = None
         flat_elementwise = (type(op) in (ElementwiseOp, AverageOp) and dtype != torch.bool
@@ -50,12 +54,15 @@ class CachedAllreduce:
             self._prepared = comms.world.prepare_allreduce_by_address(tensor.view(-1),
                                                                       op.reduce_op)
 
-    def run(self, tensor: torch.Tensor, general: Callable[[], None]) -> None:
-        """Reduce ``tensor`` in place: the prepared call where there is one, otherwise
-        ``general()``, the engine's own execution of the request."""
-        if self._prepared is None:
-            general()
+    def run(self, tensor: torch.Tensor) -> None:
+        """Reduce ``tensor`` in place, as the engine would (``Engine._run_allreduce``)."""
+        if self._prepared is not None:
+            self._prepared()
+            if self._average:
+                average_(tensor, self._comms.world.size)
             return
-        self._prepared()
-        if self._average:
-            average_(tensor, self._size)
+        _, _, _, op, prescale, postscale = self.key
+        buffer = tensor if tensor.dim() == 1 else tensor.view(-1)
+        result = reduce_flat(op, buffer, self._layers, self._comms, prescale, postscale)
+        if result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result)

@@ -98,6 +98,14 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor.copy_(torch.trunc(tensor.double() * factor).to(tensor.dtype))
 
 
+def reduce_flat(op: Op, buffer: torch.Tensor, layers: Sequence[Layer], comms: Collectives,
+                prescale: float = 1.0, postscale: float = 1.0) -> torch.Tensor:
+    """``op`` over a flat buffer with Horovod's prescale and postscale factors; the result may
+    be ``buffer`` itself (elementwise ops) or a new tensor."""
+    scale_(buffer, prescale)
+    return scale_(op.allreduce(buffer, layers, comms), postscale)
+
+
 _REGISTRY: Dict[str, Op] = {}
 
 

@@ -51,6 +51,17 @@ def body_lane():
                 errors.append((name, step, t.tolist(), want.tolist()))
     lane_calls = engine.stats["fast_lane"] - before
 
+    # An op with its own algorithm (Adasum) on the lane: bitwise what the general path gives.
+    adasum_same = []
+    g = torch.Generator().manual_seed(rank)
+    steady_ada = torch.empty(3, 40)
+    for step in range(5):
+        x = torch.randn(3, 40, generator=g)
+        general = hvd.allreduce(x, op=hvd.Adasum)          # unnamed: the general path
+        hvd.allreduce_(steady_ada.copy_(x), name="ada", op=hvd.Adasum)
+        adasum_same.append(torch.equal(general, steady_ada))
+    ada_lane_calls = engine.stats["fast_lane"] - before - lane_calls
+
     # The same name on other memory, then another shape: the general path, then the lane again.
     moved = []
     for shape in [(5,), (5,), (7,), (7,), (7,)]:
@@ -89,6 +100,7 @@ def body_lane():
             hvd.allreduce_(a, name="side", op=hvd.Sum)
         pending_ok.append(a.tolist() == [sum(range(size))] * 3 and b.tolist() == [size] * 3)
     return dict(errors=errors, lane_calls=lane_calls, moved=moved, mismatch=mismatch,
+                adasum_same=adasum_same, ada_lane_calls=ada_lane_calls,
                 pending_ok=pending_ok, stats=dict(engine.stats))
 
 
@@ -102,6 +114,7 @@ def test_lane_gives_the_general_paths_results_and_errors(backend, np):
         possible = 6 * (STEPS - 1)
         assert possible * 0.75 <= out["lane_calls"] <= possible, out["lane_calls"]
         assert all(out["moved"]), out["moved"]
+        assert all(out["adasum_same"]) and out["ada_lane_calls"] >= 2, out
         assert "shape" in out["mismatch"]["shape"] and "'steady'" in out["mismatch"]["shape"]
         assert "op" in out["mismatch"]["op"] and "'max'" in out["mismatch"]["op"]
         assert all(out["pending_ok"]), out["pending_ok"]
