@@ -22,9 +22,9 @@ Key = Tuple
 
 
 def key_of(tensor, op: Op, prescale: float, postscale: float) -> Optional[Key]:
-    """What two calls must share for the second to reuse the first's plan, or None for a
-    tensor the lane does not take (anything but a dense contiguous CPU tensor)."""
-    if (not isinstance(tensor, torch.Tensor) or not tensor.is_cpu
+    """What two calls must share for the second to reuse the first's plan, or None for a call
+    the lane does not take: an op given by name, anything but a dense contiguous CPU tensor."""
+    if (not isinstance(op, Op) or not isinstance(tensor, torch.Tensor) or not tensor.is_cpu
             or tensor.layout != torch.strided or not tensor.is_contiguous()):
         return None
     return (tensor.data_ptr(), tensor.dtype, tensor.shape, op, prescale, postscale)
