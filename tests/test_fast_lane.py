@@ -51,6 +51,7 @@ def body_lane():
             if not torch.allclose(t.double(), want.double(), rtol=1e-6, atol=0):
                 errors.append((name, step, t.tolist(), want.tolist()))
     lane_calls = engine.stats["fast_lane"] - before
+    prepared = engine._plans["f32.sum"]._prepared is not None
 
     # An op with its own algorithm (Adasum) on the lane: bitwise what the general path gives.
     adasum_same = []
@@ -101,20 +102,26 @@ def body_lane():
             hvd.allreduce_(a, name="side", op=hvd.Sum)
         pending_ok.append(a.tolist() == [sum(range(size))] * 3 and b.tolist() == [size] * 3)
     return dict(errors=errors, lane_calls=lane_calls, moved=moved, mismatch=mismatch,
-                adasum_same=adasum_same, ada_lane_calls=ada_lane_calls,
+                adasum_same=adasum_same, ada_lane_calls=ada_lane_calls, prepared=prepared,
                 pending_ok=pending_ok, stats=dict(engine.stats))
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend,np", [("mpi", 2), ("gloo", 3)])
-def test_lane_gives_the_general_paths_results_and_errors(backend, np):
-    for out in run_ranks(body_lane, np, backend):
+@pytest.mark.parametrize("backend,np,hierarchical", [("mpi", 2, False), ("gloo", 3, False),
+                                                     ("mpi", 4, True)])
+def test_lane_gives_the_general_paths_results_and_errors(backend, np, hierarchical):
+    # hierarchical: 2 nodes of 2, where the lane runs the hierarchical op, not a prepared call
+    env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"} if hierarchical else None
+    hostnames = ["a", "a", "b", "b"] if hierarchical else None
+    for out in run_ranks(body_lane, np, backend, env=env, hostnames=hostnames):
         assert out["errors"] == [], out["errors"][:2]
         # Every call after a name's first may take the lane; an idle cycle of a background
         # thread coinciding with a call sends it the general way, so allow a few.
         possible = 6 * (STEPS - 1)   # every case but the op given by name (general path)
         assert possible * 0.75 <= out["lane_calls"] <= possible, out["lane_calls"]
         assert all(out["moved"]), out["moved"]
+        # The data call is prepared by address on flat MPI only (hierarchical runs the op).
+        assert out["prepared"] == (backend == "mpi" and not hierarchical)
         assert all(out["adasum_same"]) and out["ada_lane_calls"] >= 2, out
         assert "shape" in out["mismatch"]["shape"] and "'steady'" in out["mismatch"]["shape"]
         assert "op" in out["mismatch"]["op"] and "'max'" in out["mismatch"]["op"]
