@@ -128,7 +128,7 @@ class Request:
     handle: Optional[Handle] = None
     meta: Tuple = field(default=())
     fn: Optional[Callable] = None   # kind "custom": fn(topology) runs on the engine thread
-    lane_key: Optional[Tuple] = None  # a synchronous allreduce_ that may recur (fast_lane.py)
+    lane_key: Optional[Tuple] = None  # a synchronous allreduce that may recur (fast_lane.py)
 
     def tensor_names(self) -> List[str]:
         if len(self.tensors) == 1:
@@ -305,23 +305,24 @@ class Engine:
             with self._cond:
                 self._waiters -= 1
 
-    def allreduce_cached_(self, name: str, key: Tuple, tensor: torch.Tensor,
-                          make_request: Callable[[], Request]):
-        """The steady-state lane of a synchronous in-place allreduce (fast_lane.py).  Returns
-        True once ``tensor`` is reduced; False when nothing was sent (take the general path);
-        a Handle when the request went out but must finish on the general path (another rank
-        sent something else): wait for it.  ``make_request()`` builds the general request."""
+    def allreduce_cached(self, name: str, key: Tuple, tensor: torch.Tensor,
+                         make_request: Callable[[], Request]):
+        """The steady-state lane of a synchronous allreduce (fast_lane.py): in place when the
+        key holds an address, into a new tensor otherwise.  Returns the reduced tensor; None
+        when nothing was sent (take the general path); a Handle when the request went out but
+        must finish on the general path (another rank sent something else): wait for it.
+        ``make_request()`` builds the general request."""
         plan = self._plans.get(name)
         if plan is None or plan.key != key or self._cache.by_id.get(plan.cid) is not plan.entry:
-            return False
+            return None
         if not self._cycle_lock.acquire(blocking=False):
-            return False
+            return None
         try:
             # Only the thread holding _cycle_lock changes these, except _new (a list read is
             # atomic; a request submitted right after this check waits for the next cycle).
             if (self._new or self._local or self._pending or self._joined or self._abort_next
                     or self._stopped or self._shutdown_requested):
-                return False
+                return None
             try:
                 messages = self.control.agree(plan.message, True)
                 self.stats["cycles"] += 1
@@ -329,8 +330,10 @@ class Engine:
                 if messages is None:  # every rank sent this cached request alone: run it
                     self._last_round_active = True
                     self.stats["fast_lane"] += 1
+                    if not plan.in_place:
+                        tensor = tensor.detach().clone()
                     plan.run(tensor)
-                    return True
+                    return tensor
             except CommunicationError as exc:
                 self._stop_on(exc)
                 raise self._fatal from exc
@@ -352,7 +355,7 @@ class Engine:
             self._cycle_lock.release()
 
     def _keep_plan(self, request: Request, tensor: torch.Tensor):
-        """After a synchronous in-place allreduce: what its next identical call needs."""
+        """After a synchronous allreduce of one tensor: what its next identical call needs."""
         cid = self._cache.by_name.get(request.name)
         if cid is None:
             return
@@ -608,8 +611,8 @@ class Engine:
             for r in members:
                 r.handle._finish(error=HorovodInternalError(f"allreduce of '{r.name}' failed: {exc}"))
             return
-        if first.lane_key is not None and target is not None:
-            self._keep_plan(first, target)
+        if first.lane_key is not None and len(members) == 1 and alone:
+            self._keep_plan(first, tensors[0])
         if target is not None and buffer.data_ptr() == target.data_ptr():
             # The usual in-place call: the result is already where it belongs.  (Slicing costs
             # tens of microseconds right after a large transfer has evicted the caches.)

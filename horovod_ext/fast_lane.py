@@ -1,11 +1,11 @@
-"""The steady-state lane of a synchronous in-place allreduce (``hvd.allreduce_``).
+"""The steady-state lane of a synchronous allreduce (``hvd.allreduce_`` and ``hvd.allreduce``).
 
-A training loop reduces the same named tensors, at the same addresses, again and again.  After
-such a request has completed once through the general path (negotiated, cached, executed), the
-engine keeps a ``CachedAllreduce`` for its name: the cycle message that announces it by cache id,
-its layer table, and, on MPI, the data call of an elementwise op prepared by address, so that
-no torch op runs around the transfer (right after a large transfer each one costs tens of
-microseconds here).  The next identical call, made while the engine is idle, sends that
+A training loop reduces the same named tensors again and again (``allreduce_``: at the same
+addresses).  After such a request has completed once through the general path (negotiated,
+cached, executed), the engine keeps a ``CachedAllreduce`` for its name: the cycle message that
+announces it by cache id, its layer table, and, in place on MPI, the data call of an elementwise
+op prepared by address, so that no torch op runs around the transfer (right after a large
+transfer each one costs tens of microseconds here).  The next identical call, made while the engine is idle, sends that
 message; when every rank sent the same one, the request runs at once.  Otherwise it joins the
 general path where the message left it, so mismatches and stragglers are handled exactly as
 before.
@@ -21,20 +21,22 @@ from .ops import AverageOp, ElementwiseOp, Op, average_, reduce_flat
 Key = Tuple
 
 
-def key_of(tensor, op: Op, prescale: float, postscale: float) -> Optional[Key]:
-    """What two calls must share for the second to reuse the first's plan, or None for a call
-    the lane does not take: an op given by name, anything but a dense contiguous CPU tensor."""
+def key_of(tensor, op: Op, prescale: float, postscale: float, in_place: bool) -> Optional[Key]:
+    """What two calls must share for the second to reuse the first's plan (in place: the
+    memory too), or None for a call the lane does not take: an op given by name, anything but a
+    dense contiguous CPU tensor."""
     if (not isinstance(op, Op) or not isinstance(tensor, torch.Tensor) or not tensor.is_cpu
             or tensor.layout != torch.strided or not tensor.is_contiguous()):
         return None
-    return (tensor.data_ptr(), tensor.dtype, tensor.shape, op, prescale, postscale)
+    address = tensor.data_ptr() if in_place else None
+    return (address, tensor.dtype, tensor.shape, op, prescale, postscale)
 
 
 class CachedAllreduce:
     """One named in-place allreduce, ready to run again."""
 
-    __slots__ = ("key", "cid", "entry", "message", "_op", "_layers", "_comms", "_prepared",
-                 "_average")
+    __slots__ = ("key", "cid", "entry", "message", "in_place", "_op", "_layers", "_comms",
+                 "_prepared", "_average")
 
     def __init__(self, key: Key, cid: int, entry, message: bytes, name: str,
                  tensor: torch.Tensor, comms: Collectives):
@@ -42,12 +44,14 @@ class CachedAllreduce:
         self.cid = cid            # its response-cache id, and the entry (compared by identity):
         self.entry = entry        # an evicted or replaced entry ends the plan
         self.message = message    # this request's cycle message: its cache id alone
-        _, dtype, _, op, prescale, postscale = key
+        address, dtype, _, op, prescale, postscale = key
+        self.in_place = address is not None  # otherwise the engine reduces a copy
         self._op, self._comms = op, comms
         self._layers = layers_of([tensor], [name])
         self._average = type(op) is AverageOp
         self._prepared: Optional[Callable[[], None]] = None
-        flat_elementwise = (type(op) in (ElementwiseOp, AverageOp) and dtype != torch.bool
+        flat_elementwise = (self.in_place and type(op) in (ElementwiseOp, AverageOp)
+                            and dtype != torch.bool
                             and prescale == postscale == 1.0
                             and not (comms.hierarchical_allreduce and comms.hierarchy_applies))
         if flat_elementwise:
@@ -55,7 +59,8 @@ class CachedAllreduce:
                                                                       op.reduce_op)
 
     def run(self, tensor: torch.Tensor) -> None:
-        """Reduce ``tensor`` in place, as the engine would (``Engine._run_allreduce``)."""
+        """Reduce ``tensor`` in place, as the engine would (``Engine._run_allreduce``); for a
+        plan that is not in place, ``tensor`` is the copy that becomes the result."""
         if self._prepared is not None:
             self._prepared()
             if self._average:

@@ -1,4 +1,4 @@
-"""The steady-state lane of hvd.allreduce_ (horovod_ext/fast_lane.py): the same results as the
+"""The steady-state lane of hvd.allreduce_ and hvd.allreduce (horovod_ext/fast_lane.py): the same results as the
 general path, taken when it applies, and left for the general path whenever ranks disagree."""
 import pytest
 import torch
@@ -50,6 +50,17 @@ def body_lane():
             want = _expected(size, step, t.numel(), dtype, op).view(shape)
             if not torch.allclose(t.double(), want.double(), rtol=1e-6, atol=0):
                 errors.append((name, step, t.tolist(), want.tolist()))
+        # hvd.allreduce (a new tensor) of a fresh tensor each step, plain and fp16-compressed
+        for name, compression in (("copy.avg", hvd.Compression.none),
+                                  ("copy.fp16", hvd.Compression.fp16)):
+            fresh = _values(rank, step, 10, torch.float32).view(2, 5)
+            kept = fresh.clone()
+            out = hvd.allreduce(fresh, name=name, compression=compression)
+            want = _expected(size, step, 10, torch.float32, "average").view(2, 5)
+            if (out.dtype != torch.float32 or out.data_ptr() == fresh.data_ptr()
+                    or not torch.equal(fresh, kept)
+                    or not torch.allclose(out, want, rtol=1e-3 if "fp16" in name else 1e-6)):
+                errors.append((name, step, out.tolist(), want.tolist()))
     lane_calls = engine.stats["fast_lane"] - before
     prepared = engine._plans["f32.sum"]._prepared is not None
 
@@ -117,7 +128,7 @@ def test_lane_gives_the_general_paths_results_and_errors(backend, np, hierarchic
         assert out["errors"] == [], out["errors"][:2]
         # Every call after a name's first may take the lane; an idle cycle of a background
         # thread coinciding with a call sends it the general way, so allow a few.
-        possible = 6 * (STEPS - 1)   # every case but the op given by name (general path)
+        possible = 8 * (STEPS - 1)   # every case but the op given by name (general path)
         assert possible * 0.75 <= out["lane_calls"] <= possible, out["lane_calls"]
         assert all(out["moved"]), out["moved"]
         # The data call is prepared by address on flat MPI only (hierarchical runs the op).

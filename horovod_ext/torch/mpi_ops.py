@@ -117,39 +117,47 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     return _submit(req, _first, _wake)
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
-    """A new tensor holding the reduction of ``tensor`` over all ranks (default: Average)."""
-    wire, ctx = compression.compress(tensor)
-    handle = allreduce_async(wire, average, name, op, prescale_factor, postscale_factor,
-                             process_set, _wake=False)
-    return compression.decompress(synchronize(handle), ctx)
-
-
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=global_process_set):
-    """In-place allreduce; returns ``tensor``."""
+def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+                   in_place: bool):
+    """A synchronous allreduce of one tensor.  A named call that recurs (same op, scaling,
+    dtype and shape; in place, the same memory too) takes the engine's steady-state lane once
+    it has completed on the general path (fast_lane.py)."""
     def request():
         return _allreduce_request([tensor], name, op, average, prescale_factor,
-                                  postscale_factor, "allreduce", True, process_set)
+                                  postscale_factor, "allreduce", in_place, process_set)
 
-    # A named call that recurs (same tensor memory, op and scaling) takes the engine's
-    # steady-state lane once it has completed on the general path (fast_lane.py).
     key = None
     if name is not None and average is None and process_set is global_process_set:
-        key = key_of(tensor, Average if op is None else op, prescale_factor, postscale_factor)
+        key = key_of(tensor, Average if op is None else op, prescale_factor, postscale_factor,
+                     in_place)
     if key is None:
         return synchronize(_submit(request(), _first, wake=False))
     engine = runtime.engine()
-    outcome = engine.allreduce_cached_(name, key, tensor, request)
-    if outcome is True:
-        return tensor
-    if outcome is False:
+    outcome = engine.allreduce_cached(name, key, tensor, request)
+    if isinstance(outcome, torch.Tensor):
+        return outcome
+    if outcome is None:
         req = request()
         req.lane_key = key
         outcome = engine.submit(req, wake=False)
     outcome.post = _first
     return synchronize(outcome)
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """A new tensor holding the reduction of ``tensor`` over all ranks (default: Average)."""
+    wire, ctx = compression.compress(tensor)
+    result = _allreduce_now(wire, average, name, op, prescale_factor, postscale_factor,
+                            process_set, in_place=False)
+    return compression.decompress(result, ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    """In-place allreduce; returns ``tensor``."""
+    return _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor,
+                          process_set, in_place=True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
