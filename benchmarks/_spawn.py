@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
@@ -25,9 +24,8 @@ LAB = os.path.join(os.path.dirname(REPO), "shared", "lab", "netlab.sh")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from launch.netinfo import free_port as below_ephemeral
+    return below_ephemeral("127.0.0.1")
 
 
 def _clean_env(extra: Dict[str, str]) -> Dict[str, str]:

@@ -59,9 +59,28 @@ def nearest_interface(interfaces_, target):
     return min(usable, key=lambda entry: _distance(entry[1], target))[0] if usable else None
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
+def free_port(host=""):
+    """A TCP port free now, for a rendezvous server started a moment later.  Taken below the
+    kernel's ephemeral range: a port the kernel hands out (bind to 0) may go to any outgoing
+    connection on the machine in between, and then the server fails with EADDRINUSE."""
+    import random
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    low = max(1024, ephemeral_low - 12000)
+    for _ in range(200):
+        port = random.randint(low, ephemeral_low - 1)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # crowded: an ephemeral one, as before
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

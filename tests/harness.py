@@ -9,7 +9,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,9 +28,8 @@ class RanksFailed(AssertionError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from launch.netinfo import free_port as below_ephemeral
+    return below_ephemeral("127.0.0.1")
 
 
 def mpirun_path() -> str:
