@@ -325,22 +325,24 @@ class Engine:
                 return None
             try:
                 messages = self.control.agree(plan.message, True)
-                self.stats["cycles"] += 1
-                self.stats["cache_hits"] += 1
-                if messages is None:  # every rank sent this cached request alone: run it
-                    self._last_round_active = True
-                    self.stats["fast_lane"] += 1
-                    if not plan.in_place:
-                        tensor = tensor.detach().clone()
-                    plan.run(tensor)
-                    return tensor
-            except CommunicationError as exc:
-                self._stop_on(exc)
+            except BaseException as exc:  # noqa: B902 - as a failed cycle: stops the engine
+                self._fail_everything(exc)
                 raise self._fatal from exc
-            except HorovodInternalError:
-                raise
-            except Exception as exc:  # the op failed on this request: fail it, keep running
-                raise HorovodInternalError(f"allreduce of '{name}' failed: {exc}") from exc
+            self.stats["cycles"] += 1
+            self.stats["cache_hits"] += 1
+            if messages is None:  # every rank sent this cached request alone: run it
+                self._last_round_active = True
+                self.stats["fast_lane"] += 1
+                if not plan.in_place:
+                    tensor = tensor.detach().clone()
+                try:
+                    plan.run(tensor)
+                except CommunicationError as exc:
+                    self._fail_everything(exc)
+                    raise self._fatal from exc
+                except Exception as exc:  # the op failed on this request: fail it, keep running
+                    raise HorovodInternalError(f"allreduce of '{name}' failed: {exc}") from exc
+                return tensor
             # Some rank sent something else: the request is announced (by its cache id) and
             # continues on the general path from this round's messages.
             request = make_request()
@@ -348,7 +350,7 @@ class Engine:
             request.meta = request.describe()
             with self._cond:
                 self._local[name] = request
-            self._run_round(lambda: self._after_round(plan.message, messages, True))
+            self._run_round(lambda: self._after_round(plan.message, messages, [plan.cid]))
             return request.handle
         finally:
             self._last_end = time.monotonic()
@@ -411,8 +413,8 @@ class Engine:
         try:
             stop = round_fn()
         except BaseException as exc:  # noqa: B902 - any failure must reach the waiting callers
-            self._stop_on(exc)
-            stop = False
+            self._fail_everything(exc)
+            stop = False  # _fail_everything has stopped the engine
         # Counted from the end of a cycle: after a long execution the caller gets a moment to
         # submit its next request before this rank negotiates again.
         self._last_end = time.monotonic()
@@ -420,12 +422,6 @@ class Engine:
             with self._cond:
                 self._stopped = True
                 self._cond.notify_all()
-
-    def _stop_on(self, exc: BaseException):
-        self._fail_everything(exc)
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
 
     def _due(self) -> bool:
         """Whether the background thread should run a cycle now (caller holds _cond)."""
@@ -465,21 +461,20 @@ class Engine:
         message = _encode(cache_ids, announce, shutdown, aborts)
         messages = self.control.agree(message, caller_blocked)
         self.stats["cycles"] += 1
-        only_cached = bool(cache_ids) and not announce and not shutdown and not aborts
-        return self._after_round(message, messages, only_cached)
+        only_cached = not announce and not shutdown and not aborts
+        return self._after_round(message, messages, cache_ids if only_cached else None)
 
     def _after_round(self, message: bytes, messages: Optional[List[bytes]],
-                     only_cached: bool) -> bool:
+                     only_ids: Optional[List[int]]) -> bool:
         """Everything after the round: ``messages`` is None when every rank sent ``message``;
-        ``only_cached``: it holds cache ids and nothing else.  True when the engine should
-        stop."""
-        if messages is None and only_cached and not self._pending and not self._joined:
+        ``only_ids``: the cache ids ``message`` holds when it holds nothing else.  True when the
+        engine should stop."""
+        if messages is None and only_ids and not self._pending and not self._joined:
             # The steady state: every rank submitted these cached requests in this order and
             # nothing else (nothing is pending anywhere: that table is the same on every rank),
             # so they are ready everywhere with the descriptions agreed when they were cached.
             self._last_round_active = True
-            cache_ids = _decode(message)[0]
-            self._execute([self._cache.by_id[cid] + (None,) for cid in cache_ids])
+            self._execute([self._cache.by_id[cid] + (None,) for cid in only_ids])
             return False
         gathered = [_decode(m) for m in (messages or [message] * self.size)]
 
@@ -719,12 +714,14 @@ class Engine:
                 f"horovod_ext was shut down before '{r.name}' could complete"))
 
     def _fail_everything(self, exc: BaseException):
+        """Stop the engine (its thread wakes and ends) and fail every request with ``exc``."""
         error = HorovodInternalError(f"horovod_ext stopped on rank {self.rank}: {exc}")
         error.__cause__ = exc
         log.error("%s", error)
         with self._cond:
             self._fatal = error
             self._stopped = True
+            self._cond.notify_all()
             leftovers = list(self._local.values()) + self._new
             self._local, self._new = {}, []
         for r in leftovers:

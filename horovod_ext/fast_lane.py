@@ -5,10 +5,10 @@ addresses).  After such a request has completed once through the general path (n
 cached, executed), the engine keeps a ``CachedAllreduce`` for its name: the cycle message that
 announces it by cache id, its layer table, and, in place on MPI, the data call of an elementwise
 op prepared by address, so that no torch op runs around the transfer (right after a large
-transfer each one costs tens of microseconds here).  The next identical call, made while the engine is idle, sends that
-message; when every rank sent the same one, the request runs at once.  Otherwise it joins the
-general path where the message left it, so mismatches and stragglers are handled exactly as
-before.
+transfer each one costs tens of microseconds here).  The next identical call, made while the
+engine is idle, sends that message; when every rank sent the same one, the request runs at
+once.  Otherwise it joins the general path where the message left it, so mismatches and
+stragglers are handled exactly as before.
 """
 from typing import Callable, Optional, Tuple
 
@@ -33,9 +33,9 @@ def key_of(tensor, op: Op, prescale: float, postscale: float, in_place: bool) ->
 
 
 class CachedAllreduce:
-    """One named in-place allreduce, ready to run again."""
+    """One named allreduce of one tensor (in place, or into a copy), ready to run again."""
 
-    __slots__ = ("key", "cid", "entry", "message", "in_place", "_op", "_layers", "_comms",
+    __slots__ = ("key", "cid", "entry", "message", "in_place", "_layers", "_comms",
                  "_prepared", "_average")
 
     def __init__(self, key: Key, cid: int, entry, message: bytes, name: str,
@@ -46,7 +46,7 @@ class CachedAllreduce:
         self.message = message    # this request's cycle message: its cache id alone
         address, dtype, _, op, prescale, postscale = key
         self.in_place = address is not None  # otherwise the engine reduces a copy
-        self._op, self._comms = op, comms
+        self._comms = comms
         self._layers = layers_of([tensor], [name])
         self._average = type(op) is AverageOp
         self._prepared: Optional[Callable[[], None]] = None

@@ -6,6 +6,7 @@ interpreter: run as a script it prints ``PORT NAME=ADDR...`` (``sys.argv[1]``: a
 filter).
 """
 import fcntl
+import random
 import socket
 import struct
 import sys
@@ -63,7 +64,6 @@ def free_port(host=""):
     """A TCP port free now, for a rendezvous server started a moment later.  Taken below the
     kernel's ephemeral range: a port the kernel hands out (bind to 0) may go to any outgoing
     connection on the machine in between, and then the server fails with EADDRINUSE."""
-    import random
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             ephemeral_low = int(f.read().split()[0])

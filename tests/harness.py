@@ -95,12 +95,12 @@ def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] 
     else:
         raise ValueError(backend)
 
-    deadline = time.monotonic() + timeout
-    timed_out = False
     def reported(rank):
         return any(os.path.exists(os.path.join(result_dir, f"{rank}.{ext}"))
                    for ext in ("pkl", "err"))
 
+    deadline = time.monotonic() + timeout
+    timed_out = False
     while any(p.poll() is None for p in procs):
         if settle_on and all(reported(r) for r in settle_on):
             break

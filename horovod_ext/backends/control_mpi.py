@@ -76,7 +76,7 @@ class MPIControlChannel:
         head, everyone = expected
         spin_s = BLOCKED_SPIN_S if caller_blocked else SPIN_S
         self._wait(self._start_round(head), spin_s)
-        if self._slots == everyone and len(payload) <= SLOT - _LENGTH.size:
+        if len(payload) <= SLOT - _LENGTH.size and self._slots == everyone:
             return None
         messages = self._messages(payload, spin_s)
         return None if all(m == payload for m in messages) else messages

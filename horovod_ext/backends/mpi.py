@@ -76,6 +76,14 @@ class _Deadline:
     def __exit__(self, *exc_info):
         self.until = 0.0
 
+    def call(self, fn, *args):
+        """``fn(*args)`` under this deadline (one method call: cheaper than ``with``)."""
+        self.until = time.monotonic() + self._comm._timeout
+        try:
+            return fn(*args)
+        finally:
+            self.until = 0.0
+
     def message(self) -> str:  # made only when the deadline has passed
         c = self._comm
         return (f"MPI {self._what} on rank {c.rank} of {c.size} did not finish within "
@@ -226,16 +234,8 @@ class MPICommunicator(Communicator):
                 MPI.BYTE]
         rbuf = [MPI.buffer.fromaddress(recv.data_ptr(), recv.numel() * recv.element_size()),
                 MPI.BYTE]
-        exchange, guard, timeout = self.comm.Sendrecv, self._guard("sendrecv"), self._timeout
-        clock = time.monotonic
-
-        def run():
-            guard.until = clock() + timeout
-            try:
-                exchange(sbuf, dst, 17, rbuf, src, 17)
-            finally:
-                guard.until = 0.0
-        return run
+        exchange, guarded = self.comm.Sendrecv, self._guard("sendrecv").call
+        return lambda: guarded(exchange, sbuf, dst, 17, rbuf, src, 17)
 
     def prepare_allreduce(self, tensor, op=ReduceOp.SUM):
         return (self.prepare_allreduce_by_address(tensor, op)
@@ -250,15 +250,8 @@ class MPICommunicator(Communicator):
                                                      tensor.numel() * tensor.element_size()),
                               dtype=tensor.numpy().dtype)
         reduce, mpi_op, in_place = self.comm.Allreduce, self._ops[op], MPI.IN_PLACE
-        guard, timeout, clock = self._guard("allreduce"), self._timeout, time.monotonic
-
-        def run():
-            guard.until = clock() + timeout
-            try:
-                reduce(in_place, array, mpi_op)
-            finally:
-                guard.until = 0.0
-        return run
+        guarded = self._guard("allreduce").call
+        return lambda: guarded(reduce, in_place, array, mpi_op)
 
     def barrier(self):
         with self._guard("barrier"):
