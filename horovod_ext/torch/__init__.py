@@ -87,6 +87,16 @@ def rocm_built() -> bool:
     return getattr(_torch.version, "hip", None) is not None
 
 
+def ccl_built() -> bool:
+    """Intel oneCCL is not a transport of horovod_ext."""
+    return False
+
+
+def ddl_built() -> bool:
+    """IBM DDL is not a transport of horovod_ext."""
+    return False
+
+
 def mpi_enabled() -> bool:
     return _runtime.state.transport == "mpi"
 

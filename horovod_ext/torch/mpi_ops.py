@@ -290,13 +290,15 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 # --- control ----------------------------------------------------------------------------------
 def synchronize(handle: Handle):
     """Wait for an async call and return its result (raises its error)."""
-    if not isinstance(handle, Handle):
+    if not callable(getattr(handle, "wait", None)):
         raise TypeError(f"synchronize expects a handle from an *_async call, got {handle!r}")
     return handle.wait()
 
 
 def poll(handle: Handle) -> bool:
     """True once the async call has finished (synchronize will not block)."""
+    if not callable(getattr(handle, "done", None)):
+        raise TypeError(f"poll expects a handle from an *_async call, got {handle!r}")
     return handle.done()
 
 
