@@ -60,6 +60,7 @@ class Config:
     timeout_s: float = 60.0
     control_iface: Optional[str] = None
     log_level: str = "warning"
+    dynamic_process_sets: bool = False           # hvd.add_process_set after init allowed
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Config":
@@ -100,4 +101,6 @@ class Config:
             log_level=_get(env, "HOROVOD_LOG_LEVEL", "warning",
                            _choice("trace", "debug", "info", "warning", "error", "fatal"),
                            "one of trace, debug, info, warning, error, fatal"),
+            dynamic_process_sets=_get(env, "HOROVOD_DYNAMIC_PROCESS_SETS", False, _bool,
+                                      expect="0 or 1"),
         )

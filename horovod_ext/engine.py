@@ -236,6 +236,7 @@ class Engine:
         self.stats = {"cycles": 0, "cache_hits": 0, "announced": 0, "fused_buffers": 0,
                       "fast_lane": 0}
         self._plans: Dict[str, CachedAllreduce] = {}   # by name: see fast_lane.py
+        self._running: List[Request] = []     # taken out of _local for this round's execution
         self._fusion = FusionBuffers()
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._caller_cycle = False            # a blocked caller is running a cycle
@@ -568,11 +569,15 @@ class Engine:
             batches.append(("allreduce", members))
             if fusable:
                 open_batch[key] = (members, nbytes)
+        # A transport failure below stops the engine: _fail_everything must reach these too.
+        self._running = [r for kind, item in batches
+                         for r in ([item[0]] if kind == "single" else item)]
         for kind, item in batches:
             if kind == "single":
                 self._run_single(*item)
             else:
                 self._run_allreduce(item)
+        self._running = []
 
     def _zeros_request(self, name, meta):
         kind, op, dtype, device, shapes, root, splits, pre, post = meta
@@ -723,7 +728,8 @@ class Engine:
             self._stopped = True
             self._cond.notify_all()
             leftovers = list(self._local.values()) + self._new
-            self._local, self._new = {}, []
+            leftovers += [r for r in self._running if not r.handle.done()]
+            self._local, self._new, self._running = {}, [], []
         for r in leftovers:
             r.handle._finish(error=error)
 

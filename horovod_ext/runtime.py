@@ -1,13 +1,16 @@
-"""Process-wide state: init and shutdown, the topology, and the running engine.
+"""Process-wide state: init and shutdown, the topology, and the running engines.
 
 ``init`` reads the environment (config.py), builds the world communicator for the chosen
 transport, the local/cross topology and the control plane, and starts the background engine.
+Each process set (a subgroup of the world) gets an engine of its own over its own
+communicators and control plane, so requests on different sets never wait on each other.
 """
 import atexit
 import logging
 import sys
 import threading
-from typing import Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import torch
 
@@ -22,6 +25,25 @@ _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
            "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
 
 
+@dataclass
+class _SetRuntime:
+    """A registered process set on this rank; ``engine`` is None where the rank is not in it."""
+    ranks: List[int]
+    topology: Optional[Topology] = None
+    control: Optional[object] = None
+    engine: Optional[Engine] = None
+
+    def close(self) -> List[str]:
+        """Stop the set's engine (collective over the set's members); its shutdown errors."""
+        if self.engine is None:
+            return []
+        engine, self.engine = self.engine, None
+        engine.shutdown()
+        self.control.close()
+        self.topology.close()
+        return engine.shutdown_errors
+
+
 class _State:
     def __init__(self):
         self.lock = threading.RLock()
@@ -33,6 +55,8 @@ class _State:
         self.transport: Optional[str] = None
         self.owns_torch_dist = False
         self.atexit_registered = False
+        self.sets: Dict[int, _SetRuntime] = {}   # process set id -> its runtime (0: the world)
+        self.next_set_id = 1
 
 
 state = _State()
@@ -85,18 +109,24 @@ def init(comm=None):
         world = bootstrap.create_world(transport, config.timeout_s, use_nccl, mpi_comm=comm)
         _setup_logging(config, world.rank)
         topology = Topology.build(world, bootstrap.hostname())
-        control = _control_channel(transport, world, config)
-        comms = Collectives(topology, config.hierarchical_allreduce,
-                            config.hierarchical_allgather)
+        control, comms, engine = _start_engine(topology, transport, config)
         state.config, state.topology, state.comms = config, topology, comms
         state.control, state.transport = control, transport
         state.owns_torch_dist = transport == "gloo" and not had_dist
-        state.engine = Engine(comms, control, config)
+        state.engine = engine
+        state.sets, state.next_set_id = {}, 1
         context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
                                                 _execute_custom, _submit_custom))
         if not state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             state.atexit_registered = True
+
+
+def _start_engine(topology: Topology, transport: str, config: Config):
+    """(control plane, collectives, engine) over ``topology``'s communicators."""
+    control = _control_channel(transport, topology.world, config)
+    comms = Collectives(topology, config.hierarchical_allreduce, config.hierarchical_allgather)
+    return control, comms, Engine(comms, control, config)
 
 
 def _control_channel(transport: str, world, config: Config):
@@ -114,6 +144,10 @@ def shutdown():
     with state.lock:
         if state.engine is None:
             return
+        errors = []
+        for set_runtime in state.sets.values():
+            errors += set_runtime.close()
+        state.sets = {}
         engine, state.engine = state.engine, None
         engine.shutdown()
         state.control.close()
@@ -124,8 +158,96 @@ def shutdown():
                 dist.destroy_process_group()
         state.topology = state.comms = state.control = None
         context.set_context(None)
-    if engine.shutdown_errors:
-        raise HorovodInternalError("; ".join(engine.shutdown_errors))
+    errors += engine.shutdown_errors
+    if errors:
+        raise HorovodInternalError("; ".join(errors))
+
+
+# --- process sets -----------------------------------------------------------------------------
+def add_process_set(ranks: List[int]) -> int:
+    """Register the process set of world ``ranks`` (ascending) and start its engine on its
+    members; its id.  A collective call on every rank of the world, with the same ranks
+    everywhere; errors (ValueError) are raised alike on every rank."""
+    def register(topology: Topology):
+        everyone = topology.world.allgather_object(ranks)
+        if any(r != ranks for r in everyone):
+            differ = "; ".join(f"rank {i}: {r}" for i, r in enumerate(everyone))
+            return f"hvd.add_process_set was called with different ranks on different ranks ({differ})"
+        if ranks == list(range(topology.size)):
+            return (f"process set {ranks} holds every rank: it is the global process set "
+                    f"(hvd.global_process_set)")
+        for set_id, known in state.sets.items():
+            if known.ranks == ranks:
+                return f"a process set with ranks {ranks} exists already (id {set_id})"
+        sub = Topology.for_ranks(topology, ranks)
+        set_runtime = _SetRuntime(ranks)
+        if sub is not None:
+            set_runtime.topology = sub
+            set_runtime.control, _, set_runtime.engine = _start_engine(sub, state.transport,
+                                                                       state.config)
+        set_id, state.next_set_id = state.next_set_id, state.next_set_id + 1
+        state.sets[set_id] = set_runtime
+        return set_id
+
+    outcome = _execute_custom(f"__process_set_add__.{state.next_set_id}", register)
+    if isinstance(outcome, str):
+        raise ValueError(outcome)
+    return outcome
+
+
+def remove_process_set(set_id: int) -> bool:
+    """Stop and forget process set ``set_id``; False when no such set is registered.  A
+    collective call on every rank of the world."""
+    def remove(topology: Topology):
+        everyone = topology.world.allgather_object(set_id)
+        if any(i != set_id for i in everyone):
+            differ = "; ".join(f"rank {r}: id {i}" for r, i in enumerate(everyone))
+            return f"hvd.remove_process_set was called for different sets on different ranks ({differ})"
+        set_runtime = state.sets.pop(set_id, None)
+        if set_runtime is None:
+            return False
+        errors = set_runtime.close()
+        if errors:
+            logging.getLogger("horovod_ext").error("%s", "; ".join(errors))
+        return True
+
+    outcome = _execute_custom(f"__process_set_remove__.{set_id}", remove)
+    if isinstance(outcome, str):
+        raise ValueError(outcome)
+    return outcome
+
+
+def process_set_ranks(set_id: int) -> Optional[List[int]]:
+    """The world ranks of registered set ``set_id`` (0: the world); None when unknown."""
+    if set_id == 0:
+        return list(range(topology().size))
+    set_runtime = state.sets.get(set_id)
+    return None if set_runtime is None else list(set_runtime.ranks)
+
+
+def set_topology(set_id: int) -> Topology:
+    """The topology of process set ``set_id`` on this rank (a ValueError where it is not a
+    member or the set is not registered)."""
+    return _member_runtime(set_id).topology if set_id else topology()
+
+
+def engine_for(set_id: int) -> Engine:
+    """The engine of process set ``set_id`` (0: the world)."""
+    return _member_runtime(set_id).engine if set_id else engine()
+
+
+def _member_runtime(set_id: int) -> _SetRuntime:
+    if state.engine is None:
+        raise NotInitializedError()
+    set_runtime = state.sets.get(set_id)
+    if set_runtime is None:
+        raise ValueError(f"process set id {set_id} is not registered: use a set returned by "
+                         f"hvd.add_process_set() or passed to hvd.init(process_sets=...), "
+                         f"and not removed since")
+    if set_runtime.engine is None:
+        raise ValueError(f"rank {state.topology.rank} is not a member of process set "
+                         f"{set_id} (ranks {set_runtime.ranks})")
+    return set_runtime
 
 
 def _execute_custom(name, fn):

@@ -82,6 +82,12 @@ class Communicator(ABC):
         """Communicator of the listed ranks (ranks of this communicator, in that order).  Called
         by the listed ranks only; returns None on a rank that is not listed."""
 
+    @abstractmethod
+    def create_groups(self, groups: Sequence[Sequence[int]]) -> List[Optional["Communicator"]]:
+        """Collective over this communicator: every rank passes the same lists of ranks
+        (ascending) and gets, for each list, the communicator of those ranks where it is
+        listed and None elsewhere.  Safe to call again with lists seen before."""
+
     def close(self) -> None:
         """Release transport resources; the communicator is unusable afterwards."""
 

@@ -118,10 +118,32 @@ def _create_gloo_world(launch: Launch, timeout: float, use_nccl: bool, env, mpi_
                                    "HOROVOD_GLOO_RENDEZVOUS_PORT is not: cannot find the peers")
         else:  # under mpirun with Gloo data: agree on a rendezvous point through MPI
             addr, port = _rendezvous_over_mpi(mpi_comm)
-        store = dist.TCPStore(addr, port, launch.size, launch.rank == 0, timeout=delta)
+        store = _rendezvous_store(addr, port, launch.rank, launch.size, delta)
         dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.size,
                                 timeout=delta)
     return TorchCommunicator.world(use_nccl, delta)
+
+
+# One TCPStore per rendezvous point for the life of the process: rank 0's listens on the
+# launcher's port, and a store left alive by anything still holding the last process group (a
+# traceback after a failure, a user's handle) would otherwise make the next hvd.init() fail
+# with EADDRINUSE.
+_STORES = {}
+
+
+def _rendezvous_store(addr: str, port: int, rank: int, size: int, timeout):
+    """The store of this job's rendezvous point, under a prefix new to each ``hvd.init()``: the
+    ranks count their inits on the store itself, so every rank of the n-th init (a rank
+    started afresh included) meets under the same prefix, away from the keys of earlier ones."""
+    import torch.distributed as dist
+    key = (addr, port, size, rank == 0)
+    store = _STORES.get(key)
+    if store is None:
+        store = _STORES[key] = dist.TCPStore(addr, port, size, rank == 0, timeout=timeout)
+    else:
+        store.set_timeout(timeout)
+    generation = (store.add("horovod_ext/inits", 1) - 1) // size
+    return dist.PrefixStore(f"horovod_ext/init{generation}/", store)
 
 
 def _rendezvous_over_mpi(mpi_comm):

@@ -268,6 +268,20 @@ class MPICommunicator(Communicator):
         group = self.comm.Get_group().Incl(ranks)
         return MPICommunicator(self.comm.Create_group(group), self._timeout)
 
+    def create_groups(self, groups):
+        # MPI_Comm_create_group is collective over the group's members only, so each rank
+        # takes part in just the lists that name it, in the order given.
+        made = []
+        for tag, ranks in enumerate(groups):
+            ranks = list(ranks)
+            if self.rank not in ranks:
+                made.append(None)
+                continue
+            group = self.comm.Get_group().Incl(ranks)
+            made.append(MPICommunicator(self.comm.Create_group(group, tag), self._timeout))
+            group.Free()
+        return made
+
     def close(self):
         MPI = _mpi()
         if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():

@@ -4,7 +4,7 @@ Hosts are told apart by host name (HOROVOD_HOSTNAME overrides it); nodes are num
 order of their lowest rank, and local ranks follow global rank order inside a node.
 """
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Sequence
 
 from .base import Communicator
 
@@ -62,6 +62,45 @@ class Topology:
         return cls(world=world, local=local, cross=cross, hostnames=hostnames, node_of=node_of,
                    local_rank=local_rank, local_size=len(local_ranks),
                    cross_rank=cross_members.index(me), cross_size=len(cross_members),
+                   is_homogeneous=len(set(local_sizes)) == 1)
+
+    @classmethod
+    def for_ranks(cls, parent: "Topology", ranks: Sequence[int]) -> Optional["Topology"]:
+        """The topology of a subset of ``parent``'s world (ascending world ranks), with its own
+        local and cross communicators.  Collective over the whole parent world (every rank
+        passes the same ranks); None on ranks outside the subset."""
+        ranks = list(ranks)
+        hostnames = [parent.hostnames[r] for r in ranks]
+        nodes: List[str] = []
+        for h in hostnames:
+            if h not in nodes:
+                nodes.append(h)
+        node_of = [nodes.index(h) for h in hostnames]
+        local_groups = [[ranks[i] for i in range(len(ranks)) if node_of[i] == n]
+                        for n in range(len(nodes))]
+        position = [[i for i in range(len(ranks)) if node_of[i] == node_of[q]].index(q)
+                    for q in range(len(ranks))]
+        cross_groups = [[ranks[i] for i in range(len(ranks)) if position[i] == p]
+                        for p in range(max(position) + 1)]
+        groups = [ranks]
+        if len(nodes) > 1:
+            groups += local_groups
+        if any(len(g) != len(ranks) for g in cross_groups):
+            groups += cross_groups
+        made = parent.world.create_groups(groups)
+        if parent.rank not in ranks:
+            return None
+        me = ranks.index(parent.rank)
+        world = made[0]
+        pick = dict(zip(map(tuple, groups), made))
+        local_ranks = local_groups[node_of[me]]
+        cross_members = cross_groups[position[me]]
+        local = pick.get(tuple(local_ranks), world) if len(nodes) > 1 else world
+        cross = pick.get(tuple(cross_members), world)
+        local_sizes = [len(g) for g in local_groups]
+        return cls(world=world, local=local, cross=cross, hostnames=hostnames, node_of=node_of,
+                   local_rank=local_ranks.index(parent.rank), local_size=len(local_ranks),
+                   cross_rank=cross_members.index(parent.rank), cross_size=len(cross_members),
                    is_homogeneous=len(set(local_sizes)) == 1)
 
     def close(self):

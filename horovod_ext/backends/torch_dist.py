@@ -43,6 +43,7 @@ class TorchCommunicator(Communicator):
         self._cpu_group = cpu_group
         self._cuda_group = cuda_group
         self._timeout = timeout
+        self._owns_groups = False
 
     @classmethod
     def world(cls, use_nccl: bool, timeout: datetime.timedelta) -> "TorchCommunicator":
@@ -60,8 +61,15 @@ class TorchCommunicator(Communicator):
         return self._cpu_group, tensor, None
 
     # --- collectives --------------------------------------------------------------------------
+    # Neither Gloo nor NCCL knows int16: it moves as float16 bits and is reduced as int32
+    # (the same result modulo 2**16, which is what an int16 sum wraps to).
     @_wrap_errors
     def _allreduce(self, tensor, op):
+        if tensor.dtype == torch.int16:
+            carrier = tensor.to(torch.int32)
+            self._allreduce(carrier, op)
+            tensor.copy_(carrier)
+            return
         group, t, orig = self._group_for(tensor)
         dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
         if orig is not None:
@@ -69,6 +77,8 @@ class TorchCommunicator(Communicator):
 
     @_wrap_errors
     def _allgather(self, tensor, counts):
+        if tensor.dtype == torch.int16:
+            return self._allgather(tensor.view(torch.float16), counts).view(torch.int16)
         group, t, orig = self._group_for(tensor)
         rows = max(counts)
         if t.shape[0] != rows:  # uneven: pad every rank to the longest, trim afterwards
@@ -83,6 +93,9 @@ class TorchCommunicator(Communicator):
 
     @_wrap_errors
     def _alltoall(self, tensor, send_splits, recv_splits):
+        if tensor.dtype == torch.int16:
+            return self._alltoall(tensor.view(torch.float16), send_splits,
+                                  recv_splits).view(torch.int16)
         group, t, orig = self._group_for(tensor)
         out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
         dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
@@ -91,6 +104,8 @@ class TorchCommunicator(Communicator):
 
     @_wrap_errors
     def _broadcast(self, tensor, root):
+        if tensor.dtype == torch.int16:
+            return self._broadcast(tensor.view(torch.float16), root)
         group, t, orig = self._group_for(tensor)
         dist.broadcast(t, src=self.global_ranks[root], group=group)
         if orig is not None:
@@ -101,6 +116,8 @@ class TorchCommunicator(Communicator):
         flat = tensor.reshape(-1)
         if self.size == 1:
             return flat.clone()
+        if flat.dtype == torch.int16:
+            return self.reduce_scatter(flat.to(torch.int32), counts, op).to(torch.int16)
         if flat.dtype == torch.bool:
             return super().reduce_scatter(tensor, counts, op)
         group, t, orig = self._group_for(flat)
@@ -119,6 +136,11 @@ class TorchCommunicator(Communicator):
 
     @_wrap_errors
     def sendrecv(self, send, dst, recv, src):
+        if (send is not None and send.dtype == torch.int16) or \
+                (recv is not None and recv.dtype == torch.int16):
+            def carry(t):
+                return t.view(torch.float16) if t is not None and t.dtype == torch.int16 else t
+            return self.sendrecv(carry(send), dst, carry(recv), src)
         # The receive is posted first: over Gloo, when both peers post their send first, the two
         # directions take turns (32 MiB each way at 1 Gbit/s: 557 ms, against 281 ms this way).
         works = []
@@ -162,3 +184,35 @@ class TorchCommunicator(Communicator):
                                use_local_synchronization=True)
                 if self._cuda_group is not None else None)
         return TorchCommunicator(global_ranks, cpu, cuda, self._timeout)
+
+    def create_groups(self, groups):
+        if self.global_ranks != list(range(dist.get_world_size())):
+            raise ValueError("create_groups is collective over the whole torch.distributed "
+                             "world: call it on the world communicator")
+        # Every rank creates every group, in the same order: torch then names the groups by a
+        # counter that advances alike on every rank.  (Groups made by members only are named
+        # by a hash that counts this process's live groups, which differs between ranks once
+        # they belong to different sets.)
+        made = []
+        for ranks in groups:
+            ranks = list(ranks)
+            cpu = dist.new_group(ranks, timeout=self._timeout, backend="gloo")
+            cuda = (dist.new_group(ranks, timeout=self._timeout, backend="nccl")
+                    if self._cuda_group is not None else None)
+            if self.rank not in ranks:
+                made.append(None)
+                continue
+            comm = TorchCommunicator(ranks, cpu, cuda, self._timeout)
+            comm._owns_groups = True
+            made.append(comm)
+        return made
+
+    def close(self):
+        if self._owns_groups and dist.is_initialized():
+            for group in (self._cpu_group, self._cuda_group):
+                if group is not None:
+                    try:
+                        dist.destroy_process_group(group)
+                    except (RuntimeError, ValueError):
+                        pass  # already gone with the default group
+            self._owns_groups = False

@@ -2,6 +2,7 @@
 # flake8: noqa: F401 - this module re-exports the public API
 import torch as _torch
 
+from .. import process_sets as _process_sets
 from .. import runtime as _runtime
 from ..backends.base import CommunicationError
 from ..config import ConfigError
@@ -10,12 +11,18 @@ from ..ops import Average, Max, Min, Op, Product, Sum, register_op, registered_o
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
-from .mpi_ops import (ProcessSet, allgather, allgather_async, allgather_object, allreduce,
-                      allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
-                      barrier, broadcast, broadcast_, broadcast_async, broadcast_async_,
-                      broadcast_object, global_process_set, grouped_allreduce,
+from .sparse import sparse_allreduce, sparse_allreduce_async
+from ..process_sets import (ProcessSet, add_process_set, global_process_set,
+                            remove_process_set)
+from . import mpi_ops as _mpi_ops
+from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
+                             grouped_allreduce, grouped_reducescatter, reducescatter)
+from .mpi_ops import (allgather_async, allgather_object, allreduce_, allreduce_async,
+                      allreduce_async_, alltoall_async, barrier, broadcast_, broadcast_async,
+                      broadcast_async_, broadcast_object, grouped_allgather_async,
                       grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_,
-                      join, poll, reducescatter, reducescatter_async, synchronize)
+                      grouped_reducescatter_async, join, poll, reducescatter_async,
+                      synchronize)
 
 # --- ops and optimizers from the papers (each issue adds its own lines here) ----------------
 # issue 5 (Adasum) exports
@@ -28,9 +35,24 @@ from slamb import SLAMB
 from ..backends.lamb import Lamb
 from ..randomk_op import RandomK
 
-init = _runtime.init
-shutdown = _runtime.shutdown
 is_initialized = _runtime.is_initialized
+
+
+def init(comm=None, process_sets=None):
+    """Start horovod_ext on this process (a collective call on every rank).  ``process_sets``:
+    ProcessSet objects to register now, or "dynamic" to allow ``add_process_set`` later (as
+    HOROVOD_DYNAMIC_PROCESS_SETS=1 does)."""
+    if _runtime.is_initialized():
+        return
+    _runtime.init(comm)
+    _mpi_ops.reset_names()
+    _process_sets.start(process_sets)
+
+
+def shutdown():
+    """Stop every engine; pending requests that cannot complete fail with an error."""
+    _process_sets.forget()
+    _runtime.shutdown()
 
 
 def rank() -> int:

@@ -5,6 +5,7 @@ import torch
 
 from .. import runtime
 from .mpi_ops import broadcast_async_, broadcast_object, synchronize, global_process_set
+from .sparse import empty_sparse_like
 
 
 def broadcast_parameters(params, root_rank=0, prefix="broadcast_parameters",
@@ -37,8 +38,24 @@ def broadcast_optimizer_state(optimizer, root_rank=0, process_set=global_process
     ``root_rank``'s.  Works for any optimizer whose state_dict holds tensors and Python values."""
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    if not optimizer.state:
+        _zero_missing_grads(optimizer)
     me = runtime.topology().rank
     state = broadcast_object(optimizer.state_dict() if me == root_rank else None, root_rank,
                              name="broadcast_optimizer_state", process_set=process_set)
     if me != root_rank:
         optimizer.load_state_dict(state)
+
+
+def _zero_missing_grads(optimizer):
+    """Horovod starts a new optimizer's state with a step on zero gradients and leaves those
+    gradients behind; code written for it may read them.  The state itself needs no such step
+    here (the whole state_dict travels), and one would move the parameters (weight decay) and
+    shift Adam's step count, so only the gradients are made: zeros for trainable parameters that
+    have none (empty sparse ones for SparseAdam, which takes only those)."""
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = empty_sparse_like(p, p.dim()) if sparse else torch.zeros_like(p)
+

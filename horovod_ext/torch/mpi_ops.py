@@ -1,8 +1,10 @@
 """Horovod's collective API for torch tensors: sync, async and in-place forms.
 
-Each call becomes a named request for the background engine; async forms return a handle for
-``synchronize``/``poll``.  Names default to a per-kind counter, so unnamed calls must be made in
-the same order on every rank (as in Horovod); named calls may come in any order.
+Each call becomes a named request for the background engine of its process set; async forms
+return a handle for ``synchronize``/``poll``.  Names default to a per-set, per-kind counter, so
+unnamed calls must be made in the same order on every rank of the set (as in Horovod); named
+calls may come in any order.  The synchronous forms here do not record gradients:
+``differentiable.py`` wraps them for tensors that require grad.
 """
 import itertools
 import pickle
@@ -14,6 +16,7 @@ from .. import runtime
 from ..engine import JOIN_NAME, Handle, Request
 from ..fast_lane import key_of
 from ..ops import Average, Op, Sum, get_op
+from ..process_sets import ProcessSet, global_process_set, set_id_of
 from .compression import Compression
 
 _SUPPORTED = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
@@ -21,32 +24,43 @@ _SUPPORTED = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch
 _counters = {}
 
 
-class ProcessSet:
-    """Horovod's process sets; only the global one (all ranks) exists in this version."""
-
-    def __init__(self, ranks=None):
-        self.ranks = ranks
-        self.process_set_id = 0
-
-    def __repr__(self):
-        return "ProcessSet(global)"
+def _check_process_set(process_set) -> int:
+    """The set's id, after checking that this rank may call a collective on it."""
+    set_id = set_id_of(process_set)
+    if set_id:
+        runtime.engine_for(set_id)  # a clear error on a rank outside the set
+    return set_id
 
 
-global_process_set = ProcessSet()
+def _set_size(process_set) -> int:
+    return runtime.set_topology(set_id_of(process_set)).size
 
 
-def _check_process_set(process_set):
-    if process_set is not global_process_set:
-        raise NotImplementedError("only hvd.global_process_set is supported in this version")
+def set_rank_of(world_rank, process_set, what: str) -> int:
+    """``world_rank`` as a rank of ``process_set`` (collectives take world ranks)."""
+    ranks = runtime.process_set_ranks(set_id_of(process_set)) or []
+    if (not isinstance(world_rank, int) or isinstance(world_rank, bool)
+            or world_rank not in ranks):
+        where = "a rank in 0..%d" % (len(ranks) - 1) if set_id_of(process_set) == 0 else \
+            f"one of the set's ranks {ranks}"
+        raise ValueError(f"{what} {world_rank!r} is not {where}")
+    return ranks.index(world_rank)
 
 
-def _name(kind: str, name: Optional[str]) -> str:
+def reset_names():
+    """Unnamed requests count from zero again (at init, on every rank alike)."""
+    _counters.clear()
+
+
+def _name(kind: str, name: Optional[str], process_set=global_process_set) -> str:
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         return name
-    counter = _counters.setdefault(kind, itertools.count())
-    return f"{kind}.noname.{next(counter)}"
+    set_id = set_id_of(process_set)
+    counter = _counters.setdefault((set_id, kind), itertools.count())
+    prefix = kind if set_id == 0 else f"{kind}.set{set_id}"
+    return f"{prefix}.noname.{next(counter)}"
 
 
 def _check_tensor(tensor, what: str) -> torch.Tensor:
@@ -68,10 +82,35 @@ def _resolve_op(op, average) -> Op:
     return get_op(op)
 
 
-def _submit(request: Request, post=None, wake: bool = True) -> Handle:
-    handle = runtime.engine().submit(request, wake)
+def _submit(request: Request, post=None, wake: bool = True,
+            process_set=global_process_set) -> Handle:
+    handle = runtime.engine_for(set_id_of(process_set)).submit(request, wake)
     handle.post = post
     return handle
+
+
+class GroupHandle:
+    """The handle of a grouped call made of one request per tensor: its result is the list of
+    their results."""
+
+    __slots__ = ("handles",)
+
+    def __init__(self, handles: List[Handle]):
+        self.handles = handles
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.handles)
+
+    def wait(self) -> list:
+        results, error = [], None
+        for h in self.handles:  # wait for all, so no request is left running on failure
+            try:
+                results.append(h.wait())
+            except Exception as exc:  # noqa: B902 - re-raised below, after the others
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
 
 
 def _first(results):
@@ -95,7 +134,7 @@ def _allreduce_request(tensors, name, op, average, prescale_factor, postscale_fa
             raise TypeError(f"{kind_name}: {reason}")
     if len(tensors) > 1 and len({(t.dtype, t.device) for t in tensors}) > 1:
         raise ValueError(f"{kind_name}: all tensors of a group need the same dtype and device")
-    return Request(_name(kind_name, name), "allreduce",
+    return Request(_name(kind_name, name, process_set), "allreduce",
                    [t.detach() for t in tensors], outputs=list(tensors) if inplace else None,
                    op=reduce_op.name, prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
@@ -106,7 +145,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
         _wake=True) -> Handle:
     req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
                              "allreduce", False, process_set)
-    return _submit(req, _first, _wake)
+    return _submit(req, _first, _wake, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
@@ -114,7 +153,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
         _wake=True) -> Handle:
     req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
                              "allreduce", True, process_set)
-    return _submit(req, _first, _wake)
+    return _submit(req, _first, _wake, process_set)
 
 
 def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
@@ -127,12 +166,12 @@ def _allreduce_now(tensor, average, name, op, prescale_factor, postscale_factor,
                                   postscale_factor, "allreduce", in_place, process_set)
 
     key = None
-    if name is not None and average is None and process_set is global_process_set:
+    if name is not None and average is None:
         key = key_of(tensor, Average if op is None else op, prescale_factor, postscale_factor,
                      in_place)
     if key is None:
-        return synchronize(_submit(request(), _first, wake=False))
-    engine = runtime.engine()
+        return synchronize(_submit(request(), _first, False, process_set))
+    engine = runtime.engine_for(set_id_of(process_set))
     outcome = engine.allreduce_cached(name, key, tensor, request)
     if isinstance(outcome, torch.Tensor):
         return outcome
@@ -165,7 +204,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
         _wake=True) -> Handle:
     req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
                              postscale_factor, "grouped_allreduce", False, process_set)
-    return _submit(req, list, _wake)
+    return _submit(req, list, _wake, process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -173,7 +212,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
         _wake=True) -> Handle:
     req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
                              postscale_factor, "grouped_allreduce", True, process_set)
-    return _submit(req, list, _wake)
+    return _submit(req, list, _wake, process_set)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
@@ -198,8 +237,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set, *,
         _wake=True) -> Handle:
     _check_process_set(process_set)
     _check_tensor(tensor, "allgather")
-    return _submit(Request(_name("allgather", name), "allgather", [tensor.detach()]), _first,
-                   _wake)
+    return _submit(Request(_name("allgather", name, process_set), "allgather", [tensor.detach()]),
+                   _first, _wake, process_set)
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -207,26 +246,44 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
     return synchronize(allgather_async(tensor, name, process_set, _wake=False))
 
 
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set, *,
+        _wake=True) -> GroupHandle:
+    """Allgather of each tensor; one handle whose result is the list of results."""
+    tensors = _group_of(tensors, "grouped_allgather")
+    name = _name("grouped_allgather", name, process_set)
+    return GroupHandle([allgather_async(t, f"{name}.{i}", process_set, _wake=_wake)
+                        for i, t in enumerate(tensors)])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set) -> List[torch.Tensor]:
+    return synchronize(grouped_allgather_async(tensors, name, process_set, _wake=False))
+
+
+def _group_of(tensors, what: str) -> list:
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{what} needs at least one tensor")
+    return tensors
+
+
 def _broadcast_request(tensor, root_rank, name, inplace, process_set):
     _check_process_set(process_set)
     _check_tensor(tensor, "broadcast")
-    size = runtime.topology().size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"broadcast root_rank {root_rank!r} is not a rank in 0..{size - 1}")
-    return Request(_name("broadcast", name), "broadcast", [tensor.detach()],
-                   outputs=[tensor] if inplace else None, root=root_rank)
+    root = set_rank_of(root_rank, process_set, "broadcast root_rank")
+    return Request(_name("broadcast", name, process_set), "broadcast", [tensor.detach()],
+                   outputs=[tensor] if inplace else None, root=root)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set, *,
         _wake=True) -> Handle:
     return _submit(_broadcast_request(tensor, root_rank, name, False, process_set), _first,
-                   _wake)
+                   _wake, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *,
         _wake=True) -> Handle:
     return _submit(_broadcast_request(tensor, root_rank, name, True, process_set), _first,
-                   _wake)
+                   _wake, process_set)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -239,9 +296,10 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """Handle whose result is ``(received tensor, received splits)``."""
     _check_process_set(process_set)
     _check_tensor(tensor, "alltoall")
-    size = runtime.topology().size
+    size = _set_size(process_set)
     if tensor.dim() == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension")
     if splits is None:
@@ -249,33 +307,47 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
             raise ValueError(f"alltoall: first dimension {tensor.shape[0]} is not divisible by "
                              f"{size} ranks; pass splits")
         splits = [tensor.shape[0] // size] * size
+    if isinstance(splits, torch.Tensor) and splits.is_floating_point():
+        raise ValueError(f"alltoall splits must be integers, got a {splits.dtype} tensor")
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != tensor.shape[0]:
         raise ValueError(f"alltoall splits {splits} must be {size} non-negative numbers summing "
                          f"to the first dimension {tensor.shape[0]}")
-    return _submit(Request(_name("alltoall", name), "alltoall", [tensor.detach()],
-                           splits=tuple(splits)), _first, _wake)
+    return _submit(Request(_name("alltoall", name, process_set), "alltoall", [tensor.detach()],
+                           splits=tuple(splits)), _first, _wake, process_set)
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """(received tensor, received splits): rank i gets rows splits[i] of every rank's tensor."""
-    return synchronize(alltoall_async(tensor, splits, name, process_set, _wake=False))
+    """Rank i gets rows splits[i] of every rank's tensor: the received tensor, and with
+    ``splits`` given also the received splits (as in Horovod)."""
+    received, received_splits = synchronize(alltoall_async(tensor, splits, name, process_set,
+                                                           _wake=False))
+    return received if splits is None else (received, received_splits)
 
 
-def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
-                        postscale_factor=1.0, process_set=global_process_set, *,
-        _wake=True) -> Handle:
+def _reducescatter_request(tensor, name, op, prescale_factor, postscale_factor, process_set):
     _check_process_set(process_set)
     _check_tensor(tensor, "reducescatter")
     reduce_op = get_op(op)
+    if getattr(reduce_op, "reduce_op", None) is None:
+        # NotImplementedError is a RuntimeError, the type Horovod raises here.
+        raise NotImplementedError(f"reducescatter supports Sum, Average, Min, Max and Product, "
+                                  f"not {reduce_op.name}")
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     reason = reduce_op.check_dtype(tensor.dtype)
     if reason:
         raise TypeError(f"reducescatter: {reason}")
-    return _submit(Request(_name("reducescatter", name), "reducescatter", [tensor.detach()],
-                           op=reduce_op.name, prescale=float(prescale_factor),
-                           postscale=float(postscale_factor)), _first, _wake)
+    return Request(_name("reducescatter", name, process_set), "reducescatter",
+                   [tensor.detach()], op=reduce_op.name, prescale=float(prescale_factor),
+                   postscale=float(postscale_factor))
+
+
+def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
+                        postscale_factor=1.0, process_set=global_process_set, *,
+        _wake=True) -> Handle:
+    return _submit(_reducescatter_request(tensor, name, op, prescale_factor, postscale_factor,
+                                          process_set), _first, _wake, process_set)
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -285,6 +357,27 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
     return compression.decompress(
         synchronize(reducescatter_async(wire, name, op, prescale_factor, postscale_factor,
                                         process_set, _wake=False)), ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, prescale_factor=1.0,
+                                postscale_factor=1.0, process_set=global_process_set, *,
+        _wake=True) -> GroupHandle:
+    """Reducescatter of each tensor; one handle whose result is the list of results.  Every
+    tensor is checked before any request goes out."""
+    tensors = _group_of(tensors, "grouped_reducescatter")
+    name = _name("grouped_reducescatter", name, process_set)
+    requests = [_reducescatter_request(t, f"{name}.{i}", op, prescale_factor, postscale_factor,
+                                       process_set) for i, t in enumerate(tensors)]
+    return GroupHandle([_submit(r, _first, _wake, process_set) for r in requests])
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          prescale_factor=1.0, postscale_factor=1.0,
+                          process_set=global_process_set) -> List[torch.Tensor]:
+    packed = [compression.compress(t) for t in _group_of(tensors, "grouped_reducescatter")]
+    handle = grouped_reducescatter_async([w for w, _ in packed], name, op, prescale_factor,
+                                         postscale_factor, process_set, _wake=False)
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(synchronize(handle), packed)]
 
 
 # --- control ----------------------------------------------------------------------------------
@@ -310,13 +403,15 @@ def join(device=-1) -> int:
 
 def barrier(process_set=global_process_set):
     _check_process_set(process_set)
-    synchronize(_submit(Request(_name("barrier", None), "barrier", []), wake=False))
+    synchronize(_submit(Request(_name("barrier", None, process_set), "barrier", []),
+                        wake=False, process_set=process_set))
 
 
 # --- objects ----------------------------------------------------------------------------------
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """``obj`` from ``root_rank``, pickled, on every rank."""
-    name = _name("broadcast_object", name)
+    """``obj`` from ``root_rank`` (a world rank), pickled, on every rank of the set."""
+    _check_process_set(process_set)
+    name = _name("broadcast_object", name, process_set)
     me = runtime.topology().rank
     payload = (torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
                if me == root_rank else torch.empty(0, dtype=torch.uint8))
@@ -329,8 +424,9 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
-    """Every rank's ``obj``, in rank order."""
-    name = _name("allgather_object", name)
+    """Every rank's ``obj``, in rank order of the set."""
+    _check_process_set(process_set)
+    name = _name("allgather_object", name, process_set)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), name=f"{name}.len",
                       process_set=process_set)

@@ -5,7 +5,9 @@ The returned object is the user's optimizer itself, re-classed to a subclass of 
 each parameter's async reduction as soon as its gradient is ready (after
 ``backward_passes_per_step`` local passes), so communication overlaps the rest of backward;
 ``step()`` waits for them.  ``synchronize()`` + ``with opt.skip_synchronize():`` let users clip
-or unscale gradients in between, for every op.
+or unscale gradients in between, for every op.  Sparse gradients (nn.Embedding(sparse=True)) are
+gathered from every rank as Horovod does (sparse.py), or with ``sparse_as_dense`` reduced dense
+and handed back sparse; their parameters leave the gradient buckets at the first one.
 
 Delta mode, for ops that must run after the local optimizer step (Adasum with a stateful
 optimizer, paper section 4.1 and Figure 3): the wrapped optimizer steps locally, the change of
@@ -16,17 +18,19 @@ makes non-finite gradients consistent across ranks, so that ``torch.amp.GradScal
 same steps on every rank.
 """
 import contextlib
+import warnings
 from typing import Dict, List
 import torch
 
 from .. import runtime
 from ..config import Config
 from ..engine import NEXT_CYCLE
-from ..ops import Average, ElementwiseOp, get_op
+from ..ops import Average, ElementwiseOp, Sum, get_op
 from . import buckets as _buckets
 from .compression import Compression
 from .mpi_ops import (global_process_set, grouped_allreduce_async_, synchronize as _wait,
                       allreduce_async_)
+from .sparse import empty_sparse_like, sparse_allreduce_async
 
 
 class _DistributedMixin:
@@ -45,6 +49,7 @@ class _DistributedMixin:
             if dups:
                 raise ValueError(f"named_parameters has duplicate names: {dups}")
             by_param = {id(p): n for n, p in named}
+            horovod_names = by_param
             missing = [i for i, p in enumerate(params) if id(p) not in by_param]
             if missing:
                 raise ValueError(f"named_parameters does not name {len(missing)} of the "
@@ -52,7 +57,14 @@ class _DistributedMixin:
                                  f"param_groups); pass model.named_parameters() of the whole "
                                  f"model")
         else:
+            # Request names must not hold ".noname.": ops that keep state per name (RandomK)
+            # take such names for one-off unnamed calls.
             by_param = {id(p): f"param.{i}" for i, p in enumerate(params)}
+            horovod_names = {id(p): f"allreduce.noname.{gi}.{j}"
+                             for gi, g in enumerate(self.param_groups)
+                             for j, p in enumerate(g["params"])}
+        # Horovod's attribute (parameter -> name), which some user code reads
+        self._parameter_names = {p: horovod_names[id(p)] for p in params}
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
         if gradient_predivide_factor != 1.0 and get_op(op) is not Average:
@@ -66,8 +78,10 @@ class _DistributedMixin:
             "predivide": float(gradient_predivide_factor),
             "process_set": process_set,
             "sparse_as_dense": sparse_as_dense,
+            "sparse": {},        # id(param) -> sparse_dim of the sparse gradients it had
             "counts": {},        # id(param) -> backward passes since the last reduction
-            # id(param), group key or ("bucket", i) -> (handle, params, targets, wires, contexts)
+            # id(param), group key or ("bucket", i) -> (handle, params, targets, wires,
+            # contexts, resparse); targets None for a gathered sparse gradient
             "handles": {},
             "synchronized": False,
             "skip_sync": False,
@@ -85,9 +99,11 @@ class _DistributedMixin:
         self._hvd["group_ready"] = {gi: [] for gi in members}
         self._hvd["delta"] = bool(getattr(self._hvd["op"], "wants_delta",
                                           lambda opt: False)(self))
-        self._hvd["buckets"] = self._hvd_plan_buckets(groups)
+        # A rank outside the process set trains on its own gradients, as in Horovod.
+        self._hvd["member"] = process_set.included() is not False
+        self._hvd["buckets"] = self._hvd_plan_buckets(groups) if self._hvd["member"] else []
         self._hvd["bucket_of"] = {id(p): b for b in self._hvd["buckets"] for p in b.params}
-        if not self._hvd["delta"]:
+        if not self._hvd["delta"] and self._hvd["member"]:
             for p in self._hvd["params"]:
                 self._hvd["hooks"].append(p.register_post_accumulate_grad_hook(self._hvd_hook))
 
@@ -143,6 +159,10 @@ class _DistributedMixin:
 
     def _hvd_submit(self, p):
         h = self._hvd
+        if p.grad is not None and p.grad.is_sparse:
+            h["sparse"][id(p)] = p.grad.sparse_dim()
+            if id(p) in h["bucket_of"]:
+                self._hvd_leave_bucket(p)
         bucket = h["bucket_of"].get(id(p))
         if bucket is not None:
             if id(p) in bucket.ready:
@@ -162,6 +182,32 @@ class _DistributedMixin:
             return
         self._hvd_reduce(id(p), [p], group=False)
 
+    def _hvd_leave_bucket(self, p):
+        """Take ``p``, whose gradient came sparse, out of its bucket for good: a bucket slice
+        can only hold a dense gradient.  Buckets are planned before any gradient exists, so this
+        happens at the first sparse one (an nn.Embedding(sparse=True)), at the same point of
+        backward on every rank; the bucket keeps its index and name, one slot shorter."""
+        h = self._hvd
+        old = h["bucket_of"].pop(id(p))
+        at = h["buckets"].index(old)
+        rest = [q for q in old.params if q is not p]
+        if not rest:
+            del h["buckets"][at]
+            return
+        new = _buckets.Bucket(old.index, rest)
+        with torch.no_grad():
+            for q in rest:
+                if id(q) in old.ready:
+                    new.views[id(q)].copy_(old.views[id(q)])
+                    q.grad = new.views[id(q)]
+        # gradients still pointing at the old slices are copied in when adopted
+        new.ready = old.ready - {id(p)}
+        h["buckets"][at] = new
+        for q in rest:
+            h["bucket_of"][id(q)] = new
+        if len(new.ready) == len(new.params):
+            self._hvd_reduce_bucket(new)
+
     def _hvd_again_message(self, params) -> str:
         names = [self._hvd["names"][id(p)] for p in params]
         return (f"gradients of {names} were computed again before step(): call "
@@ -177,27 +223,33 @@ class _DistributedMixin:
         handle = allreduce_async_(wire, name=f"DistributedOptimizer.bucket.{bucket.index}",
                                   op=h["op"], prescale_factor=pre, postscale_factor=post,
                                   process_set=h["process_set"], _wake=NEXT_CYCLE)
-        h["handles"][key] = (handle, bucket.params, [bucket.flat], [wire], [ctx])
+        h["handles"][key] = (handle, bucket.params, [bucket.flat], [wire], [ctx], [])
 
     def _hvd_reduce(self, key, params, group):
         h = self._hvd
         if key in h["handles"]:
             raise RuntimeError(self._hvd_again_message(params))
-        wires, ctxs = [], []
         for p in params:
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if p.grad.is_sparse:
-                if not h["sparse_as_dense"]:
-                    raise ValueError(f"sparse gradient for {h['names'][id(p)]}: pass "
-                                     f"sparse_as_dense=True")
-                p.grad = p.grad.to_dense()
-            wire, ctx = h["compression"].compress(p.grad)
+                p.grad = self._hvd_zero_grad(p)
+        name = (f"DistributedOptimizer.{key}" if group else
+                f"DistributedOptimizer.{h['names'][id(params[0])]}")
+        if not h["sparse_as_dense"] and any(p.grad.is_sparse for p in params):
+            self._hvd_reduce_sparse(key, params, name, group)
+            return
+        targets, wires, ctxs, resparse = [], [], [], []
+        for p in params:
+            target = p.grad
+            if target.is_sparse:
+                # reduced dense, handed back sparse: optimizers such as SparseAdam take only
+                # sparse gradients
+                target = target.to_dense()
+                resparse.append((p, target, p.grad.sparse_dim()))
+            wire, ctx = h["compression"].compress(target)
+            targets.append(target)
             wires.append(wire)
             ctxs.append(ctx)
         pre, post = self._hvd_scales()
-        name = (f"DistributedOptimizer.{key}" if group else
-                f"DistributedOptimizer.{h['names'][id(params[0])]}")
         # NEXT_CYCLE: the engine starts a cycle one cycle time after the first gradient, so the
         # reductions overlap the rest of backward and gradients arriving close together are
         # fused; step() starts the last cycle at once.
@@ -210,27 +262,60 @@ class _DistributedMixin:
             handle = allreduce_async_(wires[0], name=name, op=h["op"], prescale_factor=pre,
                                       postscale_factor=post, process_set=h["process_set"],
                                       _wake=NEXT_CYCLE)
-        h["handles"][key] = (handle, params, [p.grad for p in params], wires, ctxs)
+        h["handles"][key] = (handle, params, targets, wires, ctxs, resparse)
+
+    def _hvd_zero_grad(self, p):
+        """The gradient of a parameter that got none this step: zeros, sparse (and empty) for
+        one whose gradients are sparse, so that every rank submits the same kind of request."""
+        sparse_dim = self._hvd["sparse"].get(id(p))
+        if sparse_dim is None:
+            return torch.zeros_like(p)
+        return empty_sparse_like(p, sparse_dim)
+
+    def _hvd_reduce_sparse(self, key, params, name, group):
+        """Reduce a sparse gradient as Horovod does: every rank's entries are gathered
+        (sparse.py); compression and gradient_predivide_factor do not apply to them."""
+        h = self._hvd
+        p = params[0]
+        if group:
+            sparse = [h["names"][id(q)] for q in params if q.grad.is_sparse]
+            raise ValueError(f"sparse gradients for {sparse} cannot be reduced in a group: "
+                             f"pass sparse_as_dense=True or leave them out of groups")
+        if h["op"] is not Average and h["op"] is not Sum:
+            raise ValueError(f"sparse gradient for {h['names'][id(p)]}: op {h['op'].name} "
+                             f"cannot reduce sparse gradients (Average and Sum can); pass "
+                             f"sparse_as_dense=True")
+        handle = sparse_allreduce_async(p.grad, name=name, op=h["op"],
+                                        process_set=h["process_set"])
+        # no targets: the gathered tensor becomes the gradient
+        h["handles"][key] = (handle, params, None, None, None, [])
 
     def synchronize(self):
         """Wait for every gradient's reduction; parameters whose gradient never came this step
         are reduced with zeros, so ranks that skipped a layer never leave the others waiting."""
         h = self._hvd
+        if not h["member"]:
+            return
         if h["delta"]:
             self._hvd_agree_on_finite()
             return
-        started = {id(p) for _, params, _, _, _ in h["handles"].values() for p in params}
+        started = {id(p) for _, params, *_ in h["handles"].values() for p in params}
         started |= {id(p) for pending in h["group_ready"].values() for p in pending}
         started |= {i for b in h["buckets"] for i in b.ready}
         for p in h["params"]:
             if id(p) not in started:
                 self._hvd_submit(p)
         try:
-            for handle, _, targets, wires, ctxs in h["handles"].values():
-                _wait(handle)
+            for handle, params, targets, wires, ctxs, resparse in h["handles"].values():
+                result = _wait(handle)
+                if targets is None:
+                    params[0].grad = result
+                    continue
                 for target, wire, ctx in zip(targets, wires, ctxs):
                     if wire is not target:
                         target.copy_(h["compression"].decompress(wire, ctx))
+                for p, dense, sparse_dim in resparse:
+                    p.grad = dense.to_sparse(sparse_dim)
         finally:
             for b in h["buckets"]:
                 b.ready.clear()
@@ -254,10 +339,19 @@ class _DistributedMixin:
 
     def step(self, closure=None):
         h = self._hvd
+        if not h["member"]:
+            return super().step(closure)
         if h["delta"]:
             return self._hvd_delta_step(closure)
-        if not h["skip_sync"] and not h["synchronized"]:  # not done explicitly already
-            self.synchronize()
+        if not h["skip_sync"]:
+            if h["synchronized"]:
+                # Horovod reduces the gradients again here; this one uses them as they are
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): call step() inside "
+                              "`with optimizer.skip_synchronize():` (Horovod would reduce the "
+                              "gradients again)", UserWarning, stacklevel=2)
+            else:
+                self.synchronize()
         result = super().step(closure)
         h["synchronized"] = False
         return result
