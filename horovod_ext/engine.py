@@ -523,13 +523,16 @@ class Engine:
         needed = set(range(self.size)) - set(self._joined)
         ready = []
         for name, metas in self._pending.items():
-            if needed <= metas.keys():
-                error = _mismatch_message(name, metas)
-                kind = next(iter(metas.values()))[0]
-                if error is None and self._joined and kind != "allreduce":
-                    error = (f"tensor '{name}': {kind} is not possible while ranks "
-                             f"{sorted(self._joined)} have joined (only allreduce is)")
-                ready.append((name, metas, error))
+            kind = next(iter(metas.values()))[0]
+            if self._joined and kind != "allreduce":
+                # Fails at once, without waiting for the other ranks: they may never submit it
+                # (unnamed requests of ranks that joined at different times carry different
+                # counters), and it would fail when they did.
+                ready.append((name, metas, f"tensor '{name}': {kind} is not possible while "
+                                           f"ranks {sorted(self._joined)} have joined (only "
+                                           f"allreduce is)"))
+            elif needed <= metas.keys():
+                ready.append((name, metas, _mismatch_message(name, metas)))
         for name, _, _ in ready:
             del self._pending[name]
             self._first_seen.pop(name, None)

@@ -57,6 +57,7 @@ class _State:
         self.atexit_registered = False
         self.sets: Dict[int, _SetRuntime] = {}   # process set id -> its runtime (0: the world)
         self.next_set_id = 1
+        self.generation = 0   # counts inits: work begun before the latest one is void
 
 
 state = _State()
@@ -115,6 +116,7 @@ def init(comm=None):
         state.owns_torch_dist = transport == "gloo" and not had_dist
         state.engine = engine
         state.sets, state.next_set_id = {}, 1
+        state.generation += 1
         context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
                                                 _execute_custom, _submit_custom))
         if not state.atexit_registered:

@@ -5,7 +5,7 @@ import torch
 from tests.harness import BACKENDS, run_ranks
 
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
+INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
 TOL = {torch.float16: dict(rtol=1e-2, atol=1e-2), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
        torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 
@@ -127,7 +127,9 @@ def body_other_collectives():
                   f"broadcast_async {dtype}")
         # alltoall, even and with splits (rank k sends j+k rows to rank j)
         even = [sample(k, (2 * n, 3), dtype, 400 + i) for k in range(n)]
-        out, splits = hvd.alltoall(even[r])
+        out = hvd.alltoall(even[r])  # without splits: the tensor alone, as in Horovod
+        check(out, torch.cat([even[k][2 * r:2 * r + 2] for k in range(n)]), f"alltoall {dtype}")
+        out, splits = hvd.alltoall(even[r], splits=[2] * n)
         check(out, torch.cat([even[k][2 * r:2 * r + 2] for k in range(n)]), f"alltoall {dtype}")
         assert splits.tolist() == [2] * n
         send = [[j + k for j in range(n)] for k in range(n)]

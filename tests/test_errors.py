@@ -210,6 +210,7 @@ def body_bad_arguments():
         "splits": lambda: hvd.alltoall(torch.ones(5), splits=[1] * hvd.size()),
         "not_tensor": lambda: hvd.allreduce([1, 2]),
         "process_set": lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])),
+        "reducescatter_adasum": lambda: hvd.reducescatter(torch.ones(4), op=hvd.Adasum),
     }
     for key, call in checks.items():
         try:
@@ -237,7 +238,8 @@ def test_bad_arguments_are_rejected_before_anything_is_sent():
     assert "root_rank 2" in errors["root"]
     assert "splits" in errors["splits"]
     assert "torch.Tensor" in errors["not_tensor"]
-    assert errors["process_set"].startswith("NotImplementedError")
+    assert "is not registered" in errors["process_set"]
+    assert errors["reducescatter_adasum"].startswith("NotImplementedError")
     assert "already in flight" in errors["duplicate"]
 
 

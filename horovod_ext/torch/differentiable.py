@@ -24,7 +24,8 @@ from .compression import Compression
 
 
 def _needs_grad(tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    # Anything but a tensor goes on to mpi_ops, which names the problem.
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def _set_rank(process_set) -> int:

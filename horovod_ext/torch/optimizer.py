@@ -87,6 +87,7 @@ class _DistributedMixin:
             "skip_sync": False,
             "hooks": [],
             "local_steps": 0,    # delta mode: local steps since the last reduction
+            "generation": runtime.state.generation,   # the hvd.init() the handles belong to
             "starts": None,      # delta mode: parameters at the last reduction
         }
         self._hvd["groups"] = self._hvd_groups(groups)
@@ -145,8 +146,24 @@ class _DistributedMixin:
             return 1.0 / h["predivide"], h["predivide"]
         return 1.0, 1.0
 
+    def _hvd_restart_if_reinitialized(self):
+        """After hvd.shutdown() and hvd.init() the handles of the step in progress belong to
+        an engine that is gone: that step starts over."""
+        h = self._hvd
+        if h["generation"] == runtime.state.generation:
+            return
+        h["generation"] = runtime.state.generation
+        h["handles"].clear()
+        h["counts"].clear()
+        for pending in h["group_ready"].values():
+            pending.clear()
+        for b in h["buckets"]:
+            b.ready.clear()
+        h["synchronized"] = False
+
     def _hvd_hook(self, p):
         h = self._hvd
+        self._hvd_restart_if_reinitialized()
         if h["synchronized"] and not h["skip_sync"]:
             # a new backward after synchronize() without step(): reduce again from scratch
             h["synchronized"] = False
@@ -296,6 +313,7 @@ class _DistributedMixin:
         h = self._hvd
         if not h["member"]:
             return
+        self._hvd_restart_if_reinitialized()
         if h["delta"]:
             self._hvd_agree_on_finite()
             return
@@ -316,6 +334,19 @@ class _DistributedMixin:
                         target.copy_(h["compression"].decompress(wire, ctx))
                 for p, dense, sparse_dim in resparse:
                     p.grad = dense.to_sparse(sparse_dim)
+        except BaseException:
+            # A failed step (a peer lost, a shutdown) leaves nothing half-done behind: the
+            # next backward pass, after hvd.init() again if need be, starts from scratch.
+            for entry in h["handles"].values():
+                try:
+                    _wait(entry[0])
+                except Exception:  # noqa: B902 - the first error is the one raised
+                    pass
+            h["handles"].clear()
+            h["counts"].clear()
+            for pending in h["group_ready"].values():
+                pending.clear()
+            raise
         finally:
             for b in h["buckets"]:
                 b.ready.clear()
@@ -399,6 +430,7 @@ class _DistributedMixin:
         Otherwise the buckets are zeroed in place and stay the gradients.  Every parameter has
         a gradient after synchronize() either way (zeros where backward gave none)."""
         h = self._hvd
+        self._hvd_restart_if_reinitialized()
         if h["handles"]:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
