@@ -156,13 +156,33 @@ def start(process_sets=None):
         return
     if isinstance(process_sets, ProcessSet):
         process_sets = [process_sets]
+    by_comm = []
     for process_set in process_sets:
         if not isinstance(process_set, ProcessSet):
             raise ValueError(f"hvd.init(process_sets=...) takes ProcessSet objects or "
                              f"'dynamic', got {process_set!r}")
         if process_set is global_process_set:
             continue
-        _register(process_set)
+        if process_set.ranks is None:
+            by_comm.append(process_set)
+        else:
+            _register(process_set)
+    for position, process_set in enumerate(by_comm):
+        _register_by_comm(process_set, position)
+
+
+def _register_by_comm(process_set: ProcessSet, position: int):
+    """Sets given by communicators differ between ranks (each rank passes the communicator it
+    is in, as from ``COMM_WORLD.Split``): every distinct one is registered, in the order of its
+    ranks, and each rank's object becomes the set it is in."""
+    from mpi4py import MPI
+    mine = None if process_set.mpi_comm == MPI.COMM_NULL else _world_ranks_of(process_set)
+    everyone = runtime.allgather_object(mine, f"__process_set_comms__.{position}")
+    for ranks in sorted({tuple(r) for r in everyone if r is not None}):
+        if list(ranks) == mine:
+            _register(process_set)
+        else:
+            _register(ProcessSet(list(ranks)))
 
 
 def forget():

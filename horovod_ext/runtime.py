@@ -219,6 +219,11 @@ def remove_process_set(set_id: int) -> bool:
     return outcome
 
 
+def allgather_object(obj, name: str) -> list:
+    """Every world rank's ``obj``, in rank order, as a negotiated request named ``name``."""
+    return _execute_custom(name, lambda topology: topology.world.allgather_object(obj))
+
+
 def process_set_ranks(set_id: int) -> Optional[List[int]]:
     """The world ranks of registered set ``set_id`` (0: the world); None when unknown."""
     if set_id == 0:

@@ -226,3 +226,56 @@ def test_distributed_optimizer_on_a_set(backend):
     # ranks 0 and 1 averaged their gradients and agree; rank 2 stepped on its own
     assert torch.equal(weights[0], weights[1])
     assert not torch.allclose(weights[0], weights[2])
+
+
+def body_sets_from_communicators():
+    from mpi4py import MPI
+    import horovod_ext.torch as hvd
+    world = MPI.COMM_WORLD.Get_rank()
+    # each rank passes the communicator it is in: ranks 0-1 and rank 2
+    mine = hvd.ProcessSet(MPI.COMM_WORLD.Split(0 if world < 2 else 1, world))
+    hvd.init(process_sets=[mine])
+    got = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum, process_set=mine)
+    return mine.ranks, mine.process_set_id, got.item()
+
+
+@pytest.mark.timeout(90)
+def test_sets_from_mpi_communicators():
+    results = run_ranks(body_sets_from_communicators, 3, "mpi", init=False, timeout=60)
+    assert results == [([0, 1], 1, 3.0), ([0, 1], 1, 3.0), ([2], 2, 3.0)]
+
+
+def body_compressed_ops_inside_a_set():
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    pair = hvd.add_process_set([0, 2])
+    out = None
+    if pair.included():
+        x = data(r, 7, (4096,)).float()
+        # With error feedback the outputs of repeated calls average out to the set's mean
+        # (one call alone takes ties from the rank with the larger norm).
+        outputs = [hvd.allreduce(x, op=hvd.OneBit, name="onebit", process_set=pair)
+                   for _ in range(20)]
+        onebit = torch.stack(outputs).mean(0)
+        mean = (data(0, 7, (4096,)) + data(2, 7, (4096,))).float() / 2
+        other = (data(0, 7, (4096,)) + data(1, 7, (4096,))).float() / 2   # not the set
+
+        def cosine(a, b):
+            return float(a @ b / (a.norm() * b.norm()))
+        small = hvd.allreduce(x[:100], op=hvd.RandomK(0.1), name="rk", process_set=pair)
+        out = (onebit, (cosine(onebit, mean), cosine(onebit, other)),
+               torch.allclose(small, mean[:100], atol=1e-6))
+    hvd.remove_process_set(pair)
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_onebit_and_randomk_inside_a_set(backend):
+    results = run_ranks(body_compressed_ops_inside_a_set, 3, backend, env=DYNAMIC, timeout=60)
+    (first, (to_set, to_other), exact), outside, (second, _, _) = results
+    assert outside is None
+    assert torch.equal(first, second), "1-bit result differs between the set's ranks"
+    # the two means share rank 0's data: a cosine of 0.5 between them
+    assert to_set > 0.95 and to_other < 0.7, (to_set, to_other)
+    assert exact                      # tensors this small are averaged in full by random-k
