@@ -3,12 +3,15 @@
 Hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1, several nodes with the same number of
 processes): reduce-scatter inside the node, a cross-node step on each rank's shard among the ranks
 with the same local rank, all-gather inside the node.  The cross-node step is a parameter, so
-Adasum, 1-bit and random-k plug their own algorithm into it instead of copying this code.
+Adasum, 1-bit and random-k plug their own algorithm into it instead of copying this code.  The
+in-node steps of CPU buffers go through shared memory (backends/shm.py) where the host allows
+it and HOROVOD_SHARED_MEMORY is not 0, over the local communicator otherwise.
 """
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .backends import shm
 from .backends.base import Communicator, ReduceOp, split_sizes
 from .backends.topology import Topology
 
@@ -18,11 +21,37 @@ CrossStep = Callable[[torch.Tensor, int, Topology], torch.Tensor]
 
 class Collectives:
     def __init__(self, topology: Topology, hierarchical_allreduce: bool = False,
-                 hierarchical_allgather: bool = False):
+                 hierarchical_allgather: bool = False, shared_memory: bool = False,
+                 timeout: float = 60.0, chunk_bytes: int = 0):
         self.topology = topology
         self.world: Communicator = topology.world
         self.hierarchical_allreduce = hierarchical_allreduce
         self.hierarchical_allgather = hierarchical_allgather
+        self._shared_memory = shared_memory and shm.available() and topology.local_size > 1
+        self._timeout = timeout
+        self._chunk_bytes = chunk_bytes
+        self._in_node: Optional[shm.SharedMemoryGroup] = None
+
+    def in_node(self, buffer: torch.Tensor) -> Optional["shm.SharedMemoryGroup"]:
+        """The shared-memory group of this node's ranks for ``buffer``, or None (the local
+        communicator then carries the in-node steps)."""
+        if not self._shared_memory or not shm.usable_for(buffer):
+            return None
+        if self._in_node is None:
+            self._in_node = shm.SharedMemoryGroup(self.topology.local, self._timeout)
+        return self._in_node
+
+    def _chunk_elements(self, buffer: torch.Tensor) -> int:
+        """Pipeline chunks: HOROVOD_HIERARCHICAL_CHUNK_BYTES, or an eighth of the buffer
+        between 1 and 16 MiB (smaller chunks overlap more, each costs a few synchronisations)."""
+        nbytes = buffer.numel() * buffer.element_size()
+        chunk = self._chunk_bytes or min(max(nbytes // 8, 1 << 20), 16 << 20)
+        return max(1, chunk // buffer.element_size())
+
+    def close(self):
+        if self._in_node is not None:
+            self._in_node.close()
+            self._in_node = None
 
     @property
     def hierarchy_applies(self) -> bool:
@@ -34,7 +63,13 @@ class Collectives:
                   cross_step: Optional[CrossStep] = None) -> torch.Tensor:
         """In-place allreduce of a flat buffer; returns it."""
         if self.hierarchical_allreduce and self.hierarchy_applies:
-            return hierarchical_allreduce(buffer, self.topology, op, cross_step)
+            in_node = self.in_node(buffer)
+            if in_node is not None and cross_step is None:
+                cross = self.topology.cross
+                return in_node.pipelined_allreduce(buffer.view(-1), op,
+                                                   lambda shard: cross.allreduce(shard, op),
+                                                   self._chunk_elements(buffer))
+            return hierarchical_allreduce(buffer, self.topology, op, cross_step, in_node)
         if cross_step is not None:
             return buffer.copy_(cross_step(buffer, 0, self.topology))
         return self.world.allreduce(buffer, op)
@@ -46,16 +81,23 @@ class Collectives:
 
 
 def hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceOp,
-                           cross_step: Optional[CrossStep] = None) -> torch.Tensor:
+                           cross_step: Optional[CrossStep] = None,
+                           in_node: Optional["shm.SharedMemoryGroup"] = None) -> torch.Tensor:
     flat = buffer.view(-1)
     counts = split_sizes(flat.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
-    shard = topology.local.reduce_scatter(flat, counts, op)
+    if in_node is not None:
+        shard = in_node.reduce_scatter(flat, op)
+    else:
+        shard = topology.local.reduce_scatter(flat, counts, op)
     if cross_step is None:
         shard = topology.cross.allreduce(shard, op)
     else:
         shard = cross_step(shard, offset, topology)
-    flat.copy_(topology.local.allgather(shard, counts))
+    if in_node is not None:
+        in_node.allgather(flat, shard)
+    else:
+        flat.copy_(topology.local.allgather(shard, counts))
     return buffer
 
 

@@ -61,6 +61,8 @@ class Config:
     control_iface: Optional[str] = None
     log_level: str = "warning"
     dynamic_process_sets: bool = False           # hvd.add_process_set after init allowed
+    shared_memory: bool = True                   # in-node steps through shared memory
+    hierarchical_chunk_bytes: int = 0            # pipelined hierarchical chunks; 0: automatic
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Config":
@@ -103,4 +105,7 @@ class Config:
                            "one of trace, debug, info, warning, error, fatal"),
             dynamic_process_sets=_get(env, "HOROVOD_DYNAMIC_PROCESS_SETS", False, _bool,
                                       expect="0 or 1"),
+            shared_memory=_get(env, "HOROVOD_SHARED_MEMORY", True, _bool, expect="0 or 1"),
+            hierarchical_chunk_bytes=_get(env, "HOROVOD_HIERARCHICAL_CHUNK_BYTES", 0, int,
+                                          non_negative, "a non-negative number of bytes"),
         )

@@ -1,0 +1,271 @@
+"""In-node reduce-scatter and all-gather through one shared-memory segment.
+
+The ranks of one host map the same segment: a header of per-rank progress counters and process
+ids, then one slot per rank.  A reduction of a flat buffer runs in three phases, each closed by
+every rank raising its counter (no kernel call, no copy through sockets):
+
+1. each rank copies its buffer into its slot;
+2. reduce-scatter: rank i reduces shard i of every slot into shard i of its own slot, reading
+   each byte of its shard once per rank;
+3. all-gather: each rank copies every shard from the slot of the rank that reduced it.
+
+The hierarchical allreduce puts the cross-node step between phases 2 and 3, on the shard alone.
+The segment's file is unlinked as soon as every local rank has mapped it, so nothing is left in
+/dev/shm however the job ends (kill -9 included).  A wait that outlives the timeout, or a local
+rank whose process has gone, ends in ``CommunicationError`` naming the local rank.
+
+Counters are plain int64 stores into the mapping, written after the data they publish: x86's
+total store order makes the data visible first (this module is not used on other CPUs).
+"""
+import mmap
+import os
+import platform
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Optional
+
+import numpy as np
+import torch
+
+from .base import CommunicationError, Communicator, ReduceOp, split_sizes
+
+_LINE = 64                        # one counter per cache line
+_SPIN_S = 50e-6                   # busy-poll this long, then nap between polls
+_NAP_S = 20e-6
+_PID_CHECK_S = 0.1                # how often a waiting rank checks that its peers still live
+SEGMENT_DIR = "/dev/shm"
+
+
+def available() -> bool:
+    """Shared memory is used on Linux x86-64 with a writable /dev/shm."""
+    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+            and os.access(SEGMENT_DIR, os.W_OK))
+
+
+class SharedMemoryGroup:
+    """The ranks of ``local`` (one host) and a segment with room for ``capacity`` bytes per
+    rank; grows (collectively) when a larger buffer comes."""
+
+    def __init__(self, local: Communicator, timeout: float):
+        self.comm, self.rank, self.size, self.timeout = local, local.rank, local.size, timeout
+        self._mm: Optional[mmap.mmap] = None
+        self._capacity = 0
+        self._phase = 0          # this rank's counter: phases completed so far
+        self._pool: Optional[ThreadPoolExecutor] = None   # runs the cross-node steps
+
+    # --- the segment --------------------------------------------------------------------------
+    def _ensure(self, nbytes: int):
+        """Collective over the local ranks (they all reduce buffers of the same size)."""
+        if nbytes <= self._capacity:
+            return
+        capacity = max(nbytes, 2 * self._capacity, 1 << 20)
+        capacity = -(-capacity // _LINE) * _LINE
+        header = 2 * self.size * _LINE
+        name = None
+        if self.rank == 0:
+            name = os.path.join(SEGMENT_DIR, f"horovod_ext-{os.getpid()}-{uuid.uuid4().hex}")
+            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, header + capacity * self.size)
+            finally:
+                os.close(fd)
+        name = self.comm.broadcast_object(name, root=0)
+        try:
+            fd = os.open(name, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, header + capacity * self.size)
+            finally:
+                os.close(fd)
+        finally:
+            self.comm.barrier()       # everyone has mapped it (or failed): the name can go
+            if self.rank == 0:
+                os.unlink(name)
+        self._release()
+        self._mm, self._capacity, self._phase = mm, capacity, 0
+        words = np.frombuffer(mm, dtype=np.int64, count=header // 8)
+        self._counters = words[0:self.size * _LINE // 8:_LINE // 8]
+        self._pids = words[self.size * _LINE // 8::_LINE // 8]
+        self._pids[self.rank] = os.getpid()
+        self._slots = [torch.frombuffer(mm, dtype=torch.uint8, count=capacity,
+                                        offset=header + k * capacity) for k in range(self.size)]
+        self.comm.barrier()           # pids written, counters at zero everywhere
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._release()
+
+    def _release(self):
+        if self._mm is not None:
+            self._slots, self._counters, self._pids = [], None, None
+            try:
+                self._mm.close()
+            except BufferError:  # a tensor still views it: the mapping goes with that tensor
+                pass
+            self._mm, self._capacity = None, 0
+
+    # --- phases -------------------------------------------------------------------------------
+    def _arrive_and_wait(self, what: str):
+        """Raise this rank's counter and wait until every local rank has raised its own."""
+        self._phase += 1
+        target = self._phase
+        self._counters[self.rank] = target
+        counters = self._counters
+        if counters.min() >= target:
+            return
+        start = time.monotonic()
+        deadline, next_check = start + self.timeout, start + _PID_CHECK_S
+        while counters.min() < target:
+            now = time.monotonic()
+            if now - start > _SPIN_S:
+                time.sleep(_NAP_S)
+            if now > next_check:
+                next_check = now + _PID_CHECK_S
+                self._check_peers(target, what)
+            if now > deadline:
+                late = [k for k in range(self.size) if counters[k] < target]
+                raise CommunicationError(
+                    f"shared-memory {what}: local ranks {late} did not arrive within "
+                    f"{self.timeout:.0f} s (local rank {self.rank} of {self.size})")
+
+    def _check_peers(self, target: int, what: str):
+        for k in range(self.size):
+            if self._counters[k] < target and not _alive(int(self._pids[k])):
+                raise CommunicationError(
+                    f"shared-memory {what}: local rank {k} (pid {int(self._pids[k])}) has "
+                    f"died (seen by local rank {self.rank})")
+
+    def _view(self, k: int, flat: torch.Tensor) -> torch.Tensor:
+        return self._slots[k][:flat.numel() * flat.element_size()].view(flat.dtype)
+
+    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's slot as a flat ``dtype`` tensor: a buffer packed here skips phase 1's
+        copy and phase 3's copy of its own shard.  Collective over the local ranks (the same
+        size on each); valid until the next call of any method of this group."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        self._ensure(nbytes)
+        return self._slots[self.rank][:nbytes].view(dtype)
+
+    def reduce_scatter(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Phases 1 and 2 for the contiguous 1-D CPU ``flat``: this rank's reduced shard (a
+        view into shared memory, valid until ``allgather``); shards as ``split_sizes``."""
+        self._ensure(flat.numel() * flat.element_size())
+        own = self._view(self.rank, flat)
+        if own.data_ptr() != flat.data_ptr():
+            own.copy_(flat)
+        self._arrive_and_wait("reduce-scatter")
+        counts = split_sizes(flat.numel(), self.size)
+        start = sum(counts[:self.rank])
+        stop = start + counts[self.rank]
+        shard = self._view(self.rank, flat)[start:stop]
+        others = [self._view(k, flat)[start:stop] for k in range(self.size) if k != self.rank]
+        _reduce_into(shard, others, op)
+        self._arrive_and_wait("reduce-scatter")
+        return shard
+
+    def allgather(self, flat: torch.Tensor, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Phase 3: ``flat`` gets every rank's shard (``shard``, when given, replaces this
+        rank's own first, e.g. after the cross-node step); returns ``flat``."""
+        counts = split_sizes(flat.numel(), self.size)
+        start = sum(counts[:self.rank])
+        mine = self._view(self.rank, flat)[start:start + counts[self.rank]]
+        if shard is not None and shard.data_ptr() != mine.data_ptr():
+            mine.copy_(shard)
+        self._arrive_and_wait("all-gather")
+        resident = flat.data_ptr() == self._view(self.rank, flat).data_ptr()
+        offset = 0
+        for k, n in enumerate(counts):
+            if not (resident and k == self.rank):
+                flat[offset:offset + n].copy_(self._view(k, flat)[offset:offset + n])
+            offset += n
+        # Nobody may refill its slot (the next phase 1) before every rank has read it.
+        self._arrive_and_wait("all-gather")
+        return flat
+
+    def allreduce(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """In-node allreduce of the contiguous 1-D CPU ``flat``, in place; returns it."""
+        return self.allgather(flat, self.reduce_scatter(flat, op))
+
+    def pipelined_allreduce(self, flat: torch.Tensor, op: ReduceOp,
+                            cross: Callable[[torch.Tensor], object],
+                            chunk_elements: int) -> torch.Tensor:
+        """Hierarchical allreduce of ``flat`` in chunks: ``cross(shard)`` (the cross-node
+        allreduce of this rank's shard of a chunk, in place) runs on a worker thread while the
+        next chunk is reduced in the node and the previous one gathered, so the whole costs
+        about the larger of the in-node and cross-node times rather than their sum."""
+        n = flat.numel()
+        self._ensure(n * flat.element_size())
+        views = [self._view(k, flat) for k in range(self.size)]
+        own = views[self.rank]
+        resident = own.data_ptr() == flat.data_ptr()
+        edges = list(range(0, n, max(1, chunk_elements))) + [n]
+        chunks = list(zip(edges, edges[1:]))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="horovod_ext-cross")
+        pending = []
+
+        def reduce_chunk(a: int, b: int):
+            if not resident:
+                own[a:b].copy_(flat[a:b])
+            self._arrive_and_wait("reduce-scatter")
+            counts = split_sizes(b - a, self.size)
+            start = a + sum(counts[:self.rank])
+            stop = start + counts[self.rank]
+            _reduce_into(own[start:stop], [v[start:stop] for k, v in enumerate(views)
+                                            if k != self.rank], op)
+            pending.append(self._pool.submit(cross, own[start:stop]))
+
+        def gather_chunk(index: int):
+            pending[index].result()
+            self._arrive_and_wait("all-gather")
+            a, b = chunks[index]
+            for k, count in enumerate(split_sizes(b - a, self.size)):
+                if not (resident and k == self.rank):
+                    flat[a:a + count].copy_(views[k][a:a + count])
+                a += count
+
+        try:
+            reduce_chunk(*chunks[0])
+            for index in range(1, len(chunks)):
+                reduce_chunk(*chunks[index])
+                gather_chunk(index - 1)
+            gather_chunk(len(chunks) - 1)
+        finally:
+            for future in pending:   # nothing may still write into the slot after a failure
+                future.exception()
+        # Nobody may refill its slot (the next call) before every rank has read it.
+        self._arrive_and_wait("all-gather")
+        return flat
+
+
+def _alive(pid: int) -> bool:
+    """False once ``pid`` has exited, zombie included (its parent may not have reaped it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True   # cannot tell: the timeout still applies
+
+
+def _reduce_into(out: torch.Tensor, others: List[torch.Tensor], op: ReduceOp):
+    if out.dtype == torch.bool:
+        out, others = out.view(torch.uint8), [o.view(torch.uint8) for o in others]
+        op = ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN
+    for other in others:
+        if op is ReduceOp.SUM:
+            out.add_(other)
+        elif op is ReduceOp.MIN:
+            torch.minimum(out, other, out=out)
+        elif op is ReduceOp.MAX:
+            torch.maximum(out, other, out=out)
+        else:
+            out.mul_(other)
+
+
+def usable_for(tensor: torch.Tensor) -> bool:
+    return tensor.is_cpu and tensor.is_contiguous() and tensor.dim() == 1

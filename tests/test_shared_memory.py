@@ -1,0 +1,127 @@
+"""The in-node steps through shared memory (backends/shm.py): results against a reference, the
+hierarchical allreduce over it, a local rank that dies, and nothing left in /dev/shm."""
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.harness import BACKENDS, run_ranks
+
+SEGMENTS = "/dev/shm/horovod_ext-*"
+
+
+def sample(rank, n, dtype, seed):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=g) > 0.5
+    return torch.randint(-3, 4, (n,), generator=g).to(dtype)
+
+
+def body_in_node_reductions():
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    from horovod_ext.backends.base import ReduceOp
+    comms = runtime.state.comms
+    group = comms.in_node(torch.zeros(1))
+    assert group is not None, "shared memory not used"
+    local = comms.topology.local
+    members = [r for r in range(hvd.size()) if comms.topology.node_of[r]
+               == comms.topology.node_of[hvd.rank()]]
+    seed = 0
+    # sizes: fewer elements than ranks, odd, growing past the segment (it is re-made)
+    for n in (1, 3, 1001, 300_000, 1_500_000):
+        for dtype in (torch.float32, torch.float64, torch.int64, torch.float16, torch.bool):
+            for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+                seed += 1
+                mine = sample(hvd.rank(), n, dtype, seed)
+                stack = torch.stack([sample(r, n, dtype, seed).double() for r in members])
+                want = {ReduceOp.SUM: stack.sum(0), ReduceOp.MIN: stack.min(0).values,
+                        ReduceOp.MAX: stack.max(0).values, ReduceOp.PRODUCT: stack.prod(0)}[op]
+                if dtype == torch.bool:
+                    want = (want != 0) if op in (ReduceOp.SUM, ReduceOp.MAX) else want.bool()
+                got = group.allreduce(mine.clone(), op)
+                assert torch.equal(got, want.to(dtype)), (n, dtype, op)
+    assert local.size == len(members)
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_node_allreduce_matches_reference(backend):
+    before = set(glob.glob(SEGMENTS))
+    assert all(run_ranks(body_in_node_reductions, 3, backend, timeout=90))
+    assert set(glob.glob(SEGMENTS)) <= before, "a segment was left in /dev/shm"
+
+
+def body_hierarchical(expect_shared: bool):
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    r, n = hvd.rank(), hvd.size()
+    for step, numel in enumerate((10, 4097, 2_000_000)):
+        x = sample(r, numel, torch.float64, step)
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"h{step}")
+        want = sum(sample(k, numel, torch.float64, step) for k in range(n))
+        assert torch.equal(got, want), step
+        got = hvd.allreduce(sample(r, numel, torch.int32, step), op=hvd.Max, name=f"m{step}")
+        want = torch.stack([sample(k, numel, torch.int32, step) for k in range(n)]).max(0).values
+        assert torch.equal(got, want), step
+    return (runtime.state.comms._in_node is not None) == expect_shared
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shared,chunk", [("1", "0"), ("1", "12344"), ("0", "0")])
+def test_hierarchical_allreduce_2x2(backend, shared, chunk):
+    # chunk 12344 bytes: hundreds of pipeline chunks, none a multiple of the element size
+    env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_SHARED_MEMORY": shared,
+           "HOROVOD_HIERARCHICAL_CHUNK_BYTES": chunk}
+    assert all(run_ranks(body_hierarchical, 4, backend, env=env, args=(shared == "1",),
+                         hostnames=["a", "a", "b", "b"], timeout=120))
+
+
+def body_local_rank_dies():
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    from horovod_ext.backends.base import CommunicationError
+    group = runtime.state.comms.in_node(torch.zeros(1))
+    group.allreduce(torch.ones(8))                 # the segment exists on both ranks
+    if hvd.rank() == 1:
+        os._exit(5)
+    started = time.monotonic()
+    try:
+        group.allreduce(torch.ones(8))
+        return "completed", 0.0
+    except CommunicationError as exc:
+        return str(exc), time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+def test_a_local_rank_that_dies_is_named_at_once():
+    failure = run_ranks(body_local_rank_dies, 2, "gloo", expect_failure=True, settle_on=[0],
+                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "30"}, timeout=45)
+    message, seconds = failure.results[0]
+    assert "local rank 1" in message and "has died" in message, message
+    assert seconds < 5, seconds      # found by its pid, long before the 30 s timeout
+
+
+def body_killed_mid_job():
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    group = runtime.state.comms.in_node(torch.zeros(1))
+    group.allreduce(torch.ones(1 << 16))
+    if hvd.rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    group.allreduce(torch.ones(1 << 16))
+    return True
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_segment_left_after_kill_9(backend):
+    before = set(glob.glob(SEGMENTS))
+    run_ranks(body_killed_mid_job, 2, backend, expect_failure=True, timeout=40,
+              env={"HOROVOD_COMM_TIMEOUT_SECONDS": "5"})
+    assert set(glob.glob(SEGMENTS)) <= before, "a segment was left in /dev/shm"
