@@ -91,11 +91,17 @@ def mpirun_binary() -> str:
 
 
 def run_mpi(argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
-            timeout: float = 1200):
+            timeout: float = 1200, lab: bool = False):
+    """``np`` ranks under mpirun; ``lab``: across the hosts of the running lab (ranks dealt
+    to the hosts in turn, TCP over the lab's links)."""
     e = _clean_env(dict(env or {}))
     e["HOROVOD_CPU_OPERATIONS"] = "mpi"
-    cmd = [mpirun_binary(), "--oversubscribe", "--bind-to", "none", "-np", str(np)]
-    if os.geteuid() == 0:
+    if lab:
+        e["MPIRUN"] = mpirun_binary()
+        cmd = [LAB, "mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np)]
+    else:
+        cmd = [mpirun_binary(), "--oversubscribe", "--bind-to", "none", "-np", str(np)]
+    if os.geteuid() == 0 and not lab:
         cmd.append("--allow-run-as-root")
     for k in ("PYTHONPATH", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "HOROVOD_CPU_OPERATIONS",
               *(env or {}).keys()):
@@ -134,7 +140,7 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
     try:
         argv = list(argv) + ["--result", result]
         if kind == "mpi":
-            run_mpi(argv, np, env, timeout=timeout)
+            run_mpi(argv, np, env, timeout=timeout, lab=bool(hosts))
         else:
             run_gloo(argv, np, env, hosts=hosts, hostnames=hostnames, timeout=timeout)
         with open(result) as f:

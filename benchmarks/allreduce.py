@@ -148,6 +148,8 @@ def main():
     p.add_argument("--lab", action="store_true",
                    help="also flat vs hierarchical on 2 emulated hosts x 2 ranks (needs root)")
     p.add_argument("--lab-rate", default="1gbit")
+    p.add_argument("--lab-only", action="store_true", help="skip the local runs")
+    p.add_argument("--lab-runs", type=int, default=3, help="repetitions of the lab comparison")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -163,7 +165,7 @@ def main():
           "same for a second raw block against the first, the noise floor of this machine.")
     print(f"{'transport':<9} {'size':>9} {'raw':>9} {'hvd_':>9} {'over':>7} {'a/a':>7} "
           f"{'raw gap':>9} {'hvd_ gap':>9} {'over':>7} {'hvd':>9} {'x8/tensor':>9}", flush=True)
-    for kind in args.backends.split(","):
+    for kind in ([] if args.lab_only else args.backends.split(",")):
         rows = launch(kind, args.np, args.sizes, args.seconds, args.gap_us)
         report["local"][kind] = rows
         for r in rows:
@@ -176,22 +178,28 @@ def main():
                   f"{r['hvd_gap_us']:>9.1f} {r['paired_gap_overhead_pct']:>6.1f}% "
                   f"{r['hvd_copy_us']:>9.1f} "
                   f"{r['hvd_x8_us']:>9.1f}", flush=True)
-    if args.lab:
+    if args.lab or args.lab_only:
         sizes = [s for s in args.sizes if s >= 1024 * KIB] or args.sizes
-        hosts = ["nl-0", "nl-0", "nl-1", "nl-1"]
-        report["lab"] = {"rate": args.lab_rate, "hosts": hosts, "rows": []}
-        print(f"\nlab: 2 hosts x 2 ranks at {args.lab_rate}, Gloo, Sum allreduce\n"
-              f"{'size':>9} {'flat ms':>9} {'hier ms':>9} {'speed-up':>9}", flush=True)
+        report["lab"] = {"rate": args.lab_rate, "runs": args.lab_runs, "rows": []}
+        print(f"\nlab: 2 hosts x 2 ranks at {args.lab_rate}, Sum allreduce, {args.lab_runs} runs"
+              f" (hierarchical / flat, each run flat then hierarchical)\n"
+              f"{'transport':<9} {'size':>9} {'flat ms':>9} {'hier ms':>9} {'hier/flat':>10}",
+              flush=True)
         with _spawn.lab(2, args.lab_rate):
-            flat = launch("gloo", 4, sizes, args.seconds, hosts=hosts,
-                          only_hvd=True)
-            hier = launch("gloo", 4, sizes, args.seconds, hosts=hosts,
-                          env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, only_hvd=True)
-        for f, h in zip(flat, hier):
-            row = {"size": f["size"], "flat_ms": f["hvd_us"] / 1e3, "hier_ms": h["hvd_us"] / 1e3}
-            report["lab"]["rows"].append(row)
-            print(f"{_spawn.human(f['size']):>9} {row['flat_ms']:>9.2f} {row['hier_ms']:>9.2f} "
-                  f"{row['flat_ms'] / row['hier_ms']:>8.2f}x", flush=True)
+            for kind in args.backends.split(","):
+                # Gloo: ranks 0-1 on host 0; mpirun deals ranks to the hosts in turn.
+                hosts = ["nl-0", "nl-0", "nl-1", "nl-1"] if kind == "gloo" else ["lab"] * 4
+                for run in range(args.lab_runs):
+                    flat = launch(kind, 4, sizes, args.seconds, hosts=hosts, only_hvd=True)
+                    hier = launch(kind, 4, sizes, args.seconds, hosts=hosts, only_hvd=True,
+                                  env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
+                    for f, h in zip(flat, hier):
+                        row = {"transport": kind, "run": run, "size": f["size"],
+                               "flat_ms": f["hvd_us"] / 1e3, "hier_ms": h["hvd_us"] / 1e3}
+                        report["lab"]["rows"].append(row)
+                        print(f"{kind:<9} {_spawn.human(f['size']):>9} {row['flat_ms']:>9.2f} "
+                              f"{row['hier_ms']:>9.2f} {row['hier_ms'] / row['flat_ms']:>9.2f}x",
+                              flush=True)
     _spawn.write_report(args.out, report)
 
 
