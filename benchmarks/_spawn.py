@@ -174,8 +174,17 @@ def human(n) -> str:
 
 
 def write_report(path: str, report) -> None:
-    """Write a benchmark's JSON report and say where."""
+    """Write a benchmark's JSON report, with the commit and date it was made on, and say
+    where."""
+    import datetime
     import json
+    if isinstance(report, dict) and "commit" not in report:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True).stdout.strip()
+        report = {"commit": commit + ("+changes" if dirty else ""),
+                  "date": datetime.date.today().isoformat(), **report}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=1)

@@ -66,10 +66,9 @@ class Collectives:
             in_node = self.in_node(buffer)
             if in_node is not None and cross_step is None:
                 cross = self.topology.cross
-                threaded = cross.runs_on_worker_threads
-                return in_node.pipelined_allreduce(
-                    buffer.view(-1), op, lambda shard: cross.allreduce(shard, op),
-                    self._chunk_elements(buffer) if threaded else buffer.numel(), threaded)
+                return in_node.pipelined_allreduce(buffer.view(-1), op,
+                                                   lambda shard: cross.allreduce(shard, op),
+                                                   self._chunk_elements(buffer))
             return hierarchical_allreduce(buffer, self.topology, op, cross_step, in_node)
         if cross_step is not None:
             return buffer.copy_(cross_step(buffer, 0, self.topology))

@@ -95,11 +95,6 @@ class Communicator(ABC):
     # Algorithms that repeat one exchange every step (Adasum's levels) can prepare it once.
     # Right after a large transfer has evicted the caches, each torch op on the way to the
     # transport (a slice, a tensor -> buffer conversion) costs tens of microseconds here.
-    #: False where calls from a worker thread, while another thread uses other communicators
-    #: of the same transport, are not known to be safe (the pipelined hierarchical allreduce
-    #: then runs its cross-node steps on the calling thread, one after the other).
-    runs_on_worker_threads = True
-
     #: True when prepared calls hold no reference to the tensors, only their addresses: they
     #: stay valid for any later tensor with the same memory, and keeping them frees nothing late.
     prepared_by_address = False

@@ -101,11 +101,6 @@ def cuda_aware() -> bool:
 
 
 class MPICommunicator(Communicator):
-    # A pipelined hierarchical allreduce with its cross-node steps on a worker thread once
-    # stalled all inter-host traffic (Open MPI 5, TCP between emulated hosts): not yet
-    # understood, so those steps stay on the calling thread under MPI.
-    runs_on_worker_threads = False
-
     def __init__(self, comm, timeout: float = 60.0):
         self.comm = comm
         self.rank = comm.Get_rank()

@@ -22,7 +22,7 @@ import os
 import platform
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -190,12 +190,11 @@ class SharedMemoryGroup:
 
     def pipelined_allreduce(self, flat: torch.Tensor, op: ReduceOp,
                             cross: Callable[[torch.Tensor], object],
-                            chunk_elements: int, threaded: bool = True) -> torch.Tensor:
+                            chunk_elements: int) -> torch.Tensor:
         """Hierarchical allreduce of ``flat`` in chunks: ``cross(shard)`` (the cross-node
         allreduce of this rank's shard of a chunk, in place) runs on a worker thread while the
         next chunk is reduced in the node and the previous one gathered, so the whole costs
-        about the larger of the in-node and cross-node times rather than their sum.  Without
-        ``threaded`` each ``cross`` runs on this thread, in turn."""
+        about the larger of the in-node and cross-node times rather than their sum."""
         n = flat.numel()
         self._ensure(n * flat.element_size())
         views = [self._view(k, flat) for k in range(self.size)]
@@ -203,7 +202,7 @@ class SharedMemoryGroup:
         resident = own.data_ptr() == flat.data_ptr()
         edges = list(range(0, n, max(1, chunk_elements))) + [n]
         chunks = list(zip(edges, edges[1:]))
-        if self._pool is None and threaded:
+        if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="horovod_ext-cross")
         pending = []
 
@@ -216,12 +215,7 @@ class SharedMemoryGroup:
             stop = start + counts[self.rank]
             _reduce_into(own[start:stop], [v[start:stop] for k, v in enumerate(views)
                                             if k != self.rank], op)
-            if threaded:
-                pending.append(self._pool.submit(cross, own[start:stop]))
-            else:
-                done = Future()
-                done.set_result(cross(own[start:stop]))
-                pending.append(done)
+            pending.append(self._pool.submit(cross, own[start:stop]))
 
         def gather_chunk(index: int):
             pending[index].result()
