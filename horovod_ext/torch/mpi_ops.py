@@ -16,7 +16,7 @@ from .. import runtime
 from ..engine import JOIN_NAME, Handle, Request
 from ..fast_lane import key_of
 from ..ops import Average, Op, Sum, get_op
-from ..process_sets import ProcessSet, global_process_set, set_id_of
+from ..process_sets import global_process_set, set_id_of
 from .compression import Compression
 
 _SUPPORTED = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
