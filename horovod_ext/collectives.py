@@ -41,6 +41,16 @@ class Collectives:
             self._in_node = shm.SharedMemoryGroup(self.topology.local, self._timeout)
         return self._in_node
 
+    def pack_target(self, numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """Where to pack a fusion buffer of ``numel`` ``dtype`` elements that an elementwise op
+        will reduce: this rank's shared-memory slot when the in-node steps run there (no copy
+        in, none of its own shard out), None otherwise.  Collective over the local ranks, as
+        the reduction that follows is."""
+        if not (self.hierarchical_allreduce and self.hierarchy_applies):
+            return None
+        in_node = self.in_node(torch.empty(0, dtype=dtype))
+        return None if in_node is None else in_node.buffer(numel, dtype)
+
     def _chunk_elements(self, buffer: torch.Tensor) -> int:
         """Pipeline chunks: HOROVOD_HIERARCHICAL_CHUNK_BYTES, or an eighth of the buffer
         between 1 and 16 MiB (smaller chunks overlap more, each costs a few synchronisations)."""

@@ -604,7 +604,13 @@ class Engine:
         elif alone:
             buffer = tensors[0].detach().reshape(-1).clone()  # becomes the result itself
         else:
-            buffer = self._fusion.pack(tensors)
+            # An elementwise op's fused buffer goes straight into shared memory when the
+            # in-node steps run there.
+            slot = None
+            if getattr(op, "reduce_op", None) is not None and tensors[0].is_cpu:
+                slot = self.comms.pack_target(sum(t.numel() for t in tensors),
+                                              tensors[0].dtype)
+            buffer = self._fusion.pack(tensors, slot)
             self.stats["fused_buffers"] += 1
         try:
             buffer = reduce_flat(op, buffer, layers, self.comms, first.prescale, first.postscale)

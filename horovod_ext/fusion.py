@@ -23,10 +23,12 @@ class FusionBuffers:
     def __init__(self):
         self._workspace = Workspace()
 
-    def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """A flat view of the persistent buffer holding ``tensors`` back to back."""
+    def pack(self, tensors: Sequence[torch.Tensor],
+             target: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A flat view of the persistent buffer (or of ``target``, a flat tensor of the right
+        size and dtype) holding ``tensors`` back to back."""
         first = tensors[0]
-        view = self._workspace.get("fusion", sum(t.numel() for t in tensors), first.dtype,
-                                   first.device)
+        view = target if target is not None else self._workspace.get(
+            "fusion", sum(t.numel() for t in tensors), first.dtype, first.device)
         torch.cat([t.detach().reshape(-1) for t in tensors], out=view)
         return view

@@ -68,7 +68,21 @@ def body_hierarchical(expect_shared: bool):
         got = hvd.allreduce(sample(r, numel, torch.int32, step), op=hvd.Max, name=f"m{step}")
         want = torch.stack([sample(k, numel, torch.int32, step) for k in range(n)]).max(0).values
         assert torch.equal(got, want), step
-    return (runtime.state.comms._in_node is not None) == expect_shared
+    # several tensors fused into one buffer, packed straight into the shared slot
+    grouped = [sample(r, k * 1000 + 7, torch.float32, 50 + k) for k in range(6)]
+    fused_before = runtime.state.engine.stats["fused_buffers"]
+    got = hvd.grouped_allreduce(grouped, op=hvd.Average, name="g")
+    for k, g in enumerate(got):
+        want = sum(sample(q, k * 1000 + 7, torch.float32, 50 + k) for q in range(n)) / n
+        assert torch.allclose(g, want, rtol=1e-6, atol=1e-6), k
+    assert runtime.state.engine.stats["fused_buffers"] > fused_before
+    comms = runtime.state.comms
+    target = comms.pack_target(100, torch.float32)
+    if expect_shared:
+        assert target.data_ptr() == comms._in_node._slots[hvd.local_rank()].data_ptr()
+    else:
+        assert target is None
+    return (comms._in_node is not None) == expect_shared
 
 
 @pytest.mark.timeout(150)
