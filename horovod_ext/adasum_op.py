@@ -51,11 +51,10 @@ def hierarchical_adasum_(buffer: torch.Tensor, bounds, topology: Topology) -> to
     flat = buffer.view(-1)
     counts = split_sizes(flat.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
-    shard = average_(topology.local.reduce_scatter(flat, counts, ReduceOp.SUM),
-                     topology.local_size)
+    shard = average_(topology.node_reduce_scatter(flat, ReduceOp.SUM), topology.local_size)
     adasum_allreduce_(shard, bounds, topology.cross, order=_node_order(topology),
                       extra_reduce=topology.local.allreduce, offset=offset)
-    flat.copy_(topology.local.allgather(shard, counts))
+    topology.node_allgather(flat, shard)
     return buffer
 
 

@@ -4,14 +4,14 @@ Hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1, several nodes with the
 processes): reduce-scatter inside the node, a cross-node step on each rank's shard among the ranks
 with the same local rank, all-gather inside the node.  The cross-node step is a parameter, so
 Adasum, 1-bit and random-k plug their own algorithm into it instead of copying this code.  The
-in-node steps of CPU buffers go through shared memory (backends/shm.py) where the host allows
-it and HOROVOD_SHARED_MEMORY is not 0, over the local communicator otherwise.
+in-node steps of CPU buffers go through shared memory (backends/shm.py, reached through the
+topology) where the host allows it and HOROVOD_SHARED_MEMORY is not 0, over the local
+communicator otherwise; elementwise ops pipeline them with the cross-node step.
 """
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .backends import shm
 from .backends.base import Communicator, ReduceOp, split_sizes
 from .backends.topology import Topology
 
@@ -21,25 +21,12 @@ CrossStep = Callable[[torch.Tensor, int, Topology], torch.Tensor]
 
 class Collectives:
     def __init__(self, topology: Topology, hierarchical_allreduce: bool = False,
-                 hierarchical_allgather: bool = False, shared_memory: bool = False,
-                 timeout: float = 60.0, chunk_bytes: int = 0):
+                 hierarchical_allgather: bool = False, chunk_bytes: int = 0):
         self.topology = topology
         self.world: Communicator = topology.world
         self.hierarchical_allreduce = hierarchical_allreduce
         self.hierarchical_allgather = hierarchical_allgather
-        self._shared_memory = shared_memory and shm.available() and topology.local_size > 1
-        self._timeout = timeout
         self._chunk_bytes = chunk_bytes
-        self._in_node: Optional[shm.SharedMemoryGroup] = None
-
-    def in_node(self, buffer: torch.Tensor) -> Optional["shm.SharedMemoryGroup"]:
-        """The shared-memory group of this node's ranks for ``buffer``, or None (the local
-        communicator then carries the in-node steps)."""
-        if not self._shared_memory or not shm.usable_for(buffer):
-            return None
-        if self._in_node is None:
-            self._in_node = shm.SharedMemoryGroup(self.topology.local, self._timeout)
-        return self._in_node
 
     def pack_target(self, numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
         """Where to pack a fusion buffer of ``numel`` ``dtype`` elements that an elementwise op
@@ -48,7 +35,7 @@ class Collectives:
         the reduction that follows is."""
         if not (self.hierarchical_allreduce and self.hierarchy_applies):
             return None
-        in_node = self.in_node(torch.empty(0, dtype=dtype))
+        in_node = self.topology.in_node(torch.empty(0, dtype=dtype))
         return None if in_node is None else in_node.buffer(numel, dtype)
 
     def _chunk_elements(self, buffer: torch.Tensor) -> int:
@@ -58,10 +45,6 @@ class Collectives:
         chunk = self._chunk_bytes or min(max(nbytes // 8, 1 << 20), 16 << 20)
         return max(1, chunk // buffer.element_size())
 
-    def close(self):
-        if self._in_node is not None:
-            self._in_node.close()
-            self._in_node = None
 
     @property
     def hierarchy_applies(self) -> bool:
@@ -73,13 +56,13 @@ class Collectives:
                   cross_step: Optional[CrossStep] = None) -> torch.Tensor:
         """In-place allreduce of a flat buffer; returns it."""
         if self.hierarchical_allreduce and self.hierarchy_applies:
-            in_node = self.in_node(buffer)
+            in_node = self.topology.in_node(buffer)
             if in_node is not None and cross_step is None:
                 cross = self.topology.cross
                 return in_node.pipelined_allreduce(buffer.view(-1), op,
                                                    lambda shard: cross.allreduce(shard, op),
                                                    self._chunk_elements(buffer))
-            return hierarchical_allreduce(buffer, self.topology, op, cross_step, in_node)
+            return hierarchical_allreduce(buffer, self.topology, op, cross_step)
         if cross_step is not None:
             return buffer.copy_(cross_step(buffer, 0, self.topology))
         return self.world.allreduce(buffer, op)
@@ -91,23 +74,16 @@ class Collectives:
 
 
 def hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceOp,
-                           cross_step: Optional[CrossStep] = None,
-                           in_node: Optional["shm.SharedMemoryGroup"] = None) -> torch.Tensor:
+                           cross_step: Optional[CrossStep] = None) -> torch.Tensor:
     flat = buffer.view(-1)
     counts = split_sizes(flat.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
-    if in_node is not None:
-        shard = in_node.reduce_scatter(flat, op)
-    else:
-        shard = topology.local.reduce_scatter(flat, counts, op)
+    shard = topology.node_reduce_scatter(flat, op)
     if cross_step is None:
         shard = topology.cross.allreduce(shard, op)
     else:
         shard = cross_step(shard, offset, topology)
-    if in_node is not None:
-        in_node.allgather(flat, shard)
-    else:
-        flat.copy_(topology.local.allgather(shard, counts))
+    topology.node_allgather(flat, shard)
     return buffer
 
 

@@ -39,7 +39,6 @@ class _SetRuntime:
             return []
         engine, self.engine = self.engine, None
         engine.shutdown()
-        engine.comms.close()
         self.control.close()
         self.topology.close()
         return engine.shutdown_errors
@@ -128,8 +127,9 @@ def init(comm=None):
 def _start_engine(topology: Topology, transport: str, config: Config):
     """(control plane, collectives, engine) over ``topology``'s communicators."""
     control = _control_channel(transport, topology.world, config)
+    topology.shared_memory, topology.timeout = config.shared_memory, config.timeout_s
     comms = Collectives(topology, config.hierarchical_allreduce, config.hierarchical_allgather,
-                        config.shared_memory, config.timeout_s, config.hierarchical_chunk_bytes)
+                        config.hierarchical_chunk_bytes)
     return control, comms, Engine(comms, control, config)
 
 
@@ -154,7 +154,6 @@ def shutdown():
         state.sets = {}
         engine, state.engine = state.engine, None
         engine.shutdown()
-        state.comms.close()
         state.control.close()
         state.topology.close()
         if state.owns_torch_dist:

@@ -215,11 +215,11 @@ def hierarchical_compressed_allreduce_(x: torch.Tensor, topology: Topology,
     ``errors`` then holds this rank's shard's errors."""
     counts = split_sizes(x.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
-    shard = topology.local.reduce_scatter(x, counts, ReduceOp.SUM)
+    shard = topology.node_reduce_scatter(x, ReduceOp.SUM)
     shard.div_(topology.local_size)
     compressed_allreduce_(shard, topology.cross, errors,
                           _shard_lengths(x.numel(), lengths, offset, counts[topology.local_rank]))
-    x.copy_(topology.local.allgather(shard, counts))
+    topology.node_allgather(x, shard)
     return x
 
 

@@ -25,7 +25,7 @@ def body_in_node_reductions():
     from horovod_ext import runtime
     from horovod_ext.backends.base import ReduceOp
     comms = runtime.state.comms
-    group = comms.in_node(torch.zeros(1))
+    group = comms.topology.in_node(torch.zeros(1))
     assert group is not None, "shared memory not used"
     local = comms.topology.local
     members = [r for r in range(hvd.size()) if comms.topology.node_of[r]
@@ -79,10 +79,10 @@ def body_hierarchical(expect_shared: bool):
     comms = runtime.state.comms
     target = comms.pack_target(100, torch.float32)
     if expect_shared:
-        assert target.data_ptr() == comms._in_node._slots[hvd.local_rank()].data_ptr()
+        assert target.data_ptr() == comms.topology._in_node._slots[hvd.local_rank()].data_ptr()
     else:
         assert target is None
-    return (comms._in_node is not None) == expect_shared
+    return (comms.topology._in_node is not None) == expect_shared
 
 
 @pytest.mark.timeout(150)
@@ -100,7 +100,7 @@ def body_local_rank_dies():
     import horovod_ext.torch as hvd
     from horovod_ext import runtime
     from horovod_ext.backends.base import CommunicationError
-    group = runtime.state.comms.in_node(torch.zeros(1))
+    group = runtime.state.comms.topology.in_node(torch.zeros(1))
     group.allreduce(torch.ones(8))                 # the segment exists on both ranks
     if hvd.rank() == 1:
         os._exit(5)
@@ -124,7 +124,7 @@ def test_a_local_rank_that_dies_is_named_at_once():
 def body_killed_mid_job():
     import horovod_ext.torch as hvd
     from horovod_ext import runtime
-    group = runtime.state.comms.in_node(torch.zeros(1))
+    group = runtime.state.comms.topology.in_node(torch.zeros(1))
     group.allreduce(torch.ones(1 << 16))
     if hvd.rank() == 0:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,12 +1,17 @@
 """Which ranks share a node: the world, local (same host) and cross (same local rank) groups.
 
 Hosts are told apart by host name (HOROVOD_HOSTNAME overrides it); nodes are numbered in the
-order of their lowest rank, and local ranks follow global rank order inside a node.
+order of their lowest rank, and local ranks follow global rank order inside a node.  The in-node
+steps of hierarchical algorithms (``node_reduce_scatter``, ``node_allgather``) go through shared
+memory (shm.py) once the runtime has allowed it, over the local communicator otherwise.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
-from .base import Communicator
+import torch
+
+from . import shm
+from .base import Communicator, ReduceOp, split_sizes
 
 
 @dataclass
@@ -21,6 +26,10 @@ class Topology:
     cross_rank: int
     cross_size: int
     is_homogeneous: bool
+    # set by the runtime: whether the in-node steps may use shared memory, and their timeout
+    shared_memory: bool = False
+    timeout: float = 60.0
+    _in_node: Optional[shm.SharedMemoryGroup] = field(default=None, repr=False)
 
     @property
     def rank(self) -> int:
@@ -103,6 +112,38 @@ class Topology:
                    cross_rank=cross_members.index(parent.rank), cross_size=len(cross_members),
                    is_homogeneous=len(set(local_sizes)) == 1)
 
+    # --- in-node steps of hierarchical algorithms ------------------------------------------
+    def in_node(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
+        """The shared-memory group of this node's ranks for ``buffer``, or None (the local
+        communicator then carries the in-node steps).  Made at first use: a collective step
+        of the local ranks, which reach it with the same buffer."""
+        if (not self.shared_memory or self.local_size < 2 or not shm.available()
+                or not shm.usable_for(buffer)):
+            return None
+        if self._in_node is None:
+            self._in_node = shm.SharedMemoryGroup(self.local, self.timeout)
+        return self._in_node
+
+    def node_reduce_scatter(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM
+                            ) -> torch.Tensor:
+        """This rank's shard (``split_sizes`` over the local ranks) of ``flat`` reduced over the
+        node; pass it, changed or not, to ``node_allgather`` next."""
+        in_node = self.in_node(flat)
+        if in_node is not None:
+            return in_node.reduce_scatter(flat, op)
+        return self.local.reduce_scatter(flat, split_sizes(flat.numel(), self.local_size), op)
+
+    def node_allgather(self, flat: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """``flat`` filled with every local rank's ``shard``; returns ``flat``."""
+        in_node = self.in_node(flat)
+        if in_node is not None:
+            return in_node.allgather(flat, shard)
+        return flat.copy_(self.local.allgather(shard, split_sizes(flat.numel(),
+                                                                  self.local_size)))
+
     def close(self):
+        if self._in_node is not None:
+            self._in_node.close()
+            self._in_node = None
         for comm in {id(c): c for c in (self.cross, self.local, self.world)}.values():
             comm.close()
