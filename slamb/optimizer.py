@@ -341,7 +341,8 @@ class SLAMB(torch.optim.Optimizer):
             node_bytes = 0
             if hier:   # Appendix E: full average inside the node first
                 gs = [g.contiguous().clone() for g in gs]
-                node_bytes = flat_average_(gs, topo.local, topo.local_size)
+                node_bytes = flat_average_(gs, topo.local, topo.local_size,
+                                           allreduce=topo.node_allreduce)
             elif self.sync_gradients:   # line 9 rewrites g: never the user's .grad
                 gs = [g.clone(memory_format=torch.contiguous_format) for g in gs]
             for i, g, spare in zip(members, gs, spares):                  # line 7

@@ -7,7 +7,7 @@ local error compensation: what was not sent stays in the local state instead of 
 Tensors that are synchronised in full (1-D tensors and small ones, as in SLAMB's reference code)
 travel in the same buffer, so a step costs one allreduce whatever the number of layers.
 """
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,14 +31,19 @@ def syncs_in_full(shape: Sequence[int], small_numel: int = SMALL_TENSOR_NUMEL) -
 
 
 def masked_average_(entries: Sequence[Entry], comm: Communicator, divisor: int,
-                    shard_over: Optional[Communicator] = None) -> int:
+                    shard_over: Optional[Communicator] = None,
+                    allreduce: Optional[Callable[[torch.Tensor], object]] = None) -> int:
     """In place: the selected elements of every entry become their sum over ``comm`` divided by
-    ``divisor``; the others are left alone.  One allreduce per dtype present.  Returns the
-    number of payload bytes this rank contributed (0 alone).
+    ``divisor``; the others are left alone.  One allreduce per dtype present (``allreduce(t)``,
+    in place, when given: e.g. the node's shared-memory one, ``comm`` being the node).  Returns
+    the number of payload bytes this rank contributed (0 alone).
 
     ``shard_over`` (the node, when ``comm`` is the cross-node group): ranks of that group hold
     the same values, so each reduces only its 1/size share across nodes and the node
     all-gathers the shares: a node sends its data across once, not once per rank."""
+    if allreduce is None:
+        def allreduce(t):
+            return comm.allreduce(t, ReduceOp.SUM)
     by_dtype: Dict[torch.dtype, List[Entry]] = {}
     for flat, idx in entries:
         by_dtype.setdefault(flat.dtype, []).append((flat, idx))
@@ -55,7 +60,7 @@ def masked_average_(entries: Sequence[Entry], comm: Communicator, divisor: int,
                 sent += share.numel() * share.element_size()
             dense = shard_over.allgather(share, counts)
         elif comm.size > 1:
-            comm.allreduce(dense, ReduceOp.SUM)
+            allreduce(dense)
             sent += dense.numel() * dense.element_size()
         if divisor != 1:
             dense.mul_(1.0 / divisor)
@@ -68,7 +73,9 @@ def masked_average_(entries: Sequence[Entry], comm: Communicator, divisor: int,
 
 
 def flat_average_(tensors: Sequence[torch.Tensor], comm: Communicator, divisor: int,
-                  shard_over: Optional[Communicator] = None) -> int:
+                  shard_over: Optional[Communicator] = None,
+                  allreduce: Optional[Callable[[torch.Tensor], object]] = None) -> int:
     """Average whole tensors (any shapes) over ``comm`` in one fused allreduce per dtype; the
     payload bytes sent."""
-    return masked_average_([(t.view(-1), None) for t in tensors], comm, divisor, shard_over)
+    return masked_average_([(t.view(-1), None) for t in tensors], comm, divisor, shard_over,
+                           allreduce)

@@ -133,6 +133,13 @@ class Topology:
             return in_node.reduce_scatter(flat, op)
         return self.local.reduce_scatter(flat, split_sizes(flat.numel(), self.local_size), op)
 
+    def node_allreduce(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """``flat`` (1-D, contiguous) reduced over the node's ranks, in place; returns it."""
+        in_node = self.in_node(flat)
+        if in_node is not None:
+            return in_node.allreduce(flat, op)
+        return self.local.allreduce(flat, op)
+
     def node_allgather(self, flat: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """``flat`` filled with every local rank's ``shard``; returns ``flat``."""
         in_node = self.in_node(flat)
