@@ -144,6 +144,7 @@ def main():
     p.add_argument("--syncs", type=int, default=3, help="model syncs timed per SLAMB run")
     p.add_argument("--interval", type=int, default=100, help="SLAMB's H")
     p.add_argument("--no-lab", action="store_true")
+    p.add_argument("--lab-only", action="store_true", help="skip the loopback runs")
     p.add_argument("--lab-rate", default="1gbit")
     p.add_argument("--show", metavar="JSON", help="print the tables of an earlier report")
     args = p.parse_args()
@@ -173,8 +174,8 @@ def main():
           f"comm: SLAMB's own measure, LAMB's step minus compute-only;\nideal: LAMB's step "
           f"if its communication shrank by the byte reduction, over LAMB's step;\nbound: the "
           f"same with SLAMB's compute instead of LAMB's (what its compute time allows)")
-    settings = [(kind, int(n), None) for kind in args.backends.split(",")
-                for n in args.nps.split(",")]
+    settings = [] if args.lab_only else [(kind, int(n), None) for kind in args.backends.split(",")
+                                         for n in args.nps.split(",")]
     for kind, n, _ in settings:
         res = _spawn.run_collect(kind, argv, n)
         summary = summarise(res, args.interval)
