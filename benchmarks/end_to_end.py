@@ -443,7 +443,12 @@ def main():
                 print(f"\n[{done}/{len(settings)}] {name} ...", flush=True)
                 record(name, run_setting(name, argv, args))
     if report["runs"]:
-        plot(report, stem)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("matplotlib is not installed: no plots (pip install -e .[examples])")
+        else:
+            plot(report, stem)
     print(f"total {time.monotonic() - start:.0f} s")
 
 
