@@ -20,7 +20,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-LAB = os.path.join(os.path.dirname(REPO), "shared", "lab", "netlab.sh")
+LAB = os.path.join(REPO, "tools", "netlab.sh")
 
 
 def free_port() -> int:
@@ -113,7 +113,7 @@ def run_mpi(argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
 
 @contextlib.contextmanager
 def lab(hosts: int, rate: str):
-    """An emulated cluster from ../shared/lab, always taken down again (also on Ctrl-C)."""
+    """An emulated cluster from tools/netlab.sh, always taken down again (also on Ctrl-C)."""
     if os.geteuid() != 0:
         raise RuntimeError("the network lab needs root")
     if not os.path.exists(LAB):

@@ -24,7 +24,7 @@ Methods (every one a real training step: forward, backward, communication, updat
 warm-ups), the compression stage for the rest: time and bytes weighted accordingly.
 
 Settings: loopback-2x1, loopback-2x2 (2 pretend nodes of 2 ranks on localhost), and 2 emulated
-hosts of ../shared/lab at 1 Gbit/s and 100 Mbit/s with 1 or 2 ranks each (lab-1gbit-2x1,
+hosts of tools/netlab.sh at 1 Gbit/s and 100 Mbit/s with 1 or 2 ranks each (lab-1gbit-2x1,
 lab-1gbit-2x2, lab-100mbit-2x1, lab-100mbit-2x2).  2x2 runs hierarchically
 (HOROVOD_HIERARCHICAL_ALLREDUCE=1: inside the node, then across).  Gloo throughout.
 

@@ -1,4 +1,4 @@
-"""1-bit compressed allreduce, 1-bit Adam and 1-bit LAMB (issue 6).
+"""1-bit compressed allreduce, 1-bit Adam and 1-bit LAMB.
 
 ``compression``: signs packed 8 per byte with per-segment scales; ``compressed_allreduce``: the
 error-compensated three-phase compressed allreduce over any ``Communicator`` (1-bit Adam

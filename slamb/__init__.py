@@ -1,4 +1,4 @@
-"""SLAMB and sparse random-k synchronisation (issue 7): the shared random-k mask
+"""SLAMB and sparse random-k synchronisation: the shared random-k mask
 (``slamb.mask``), masked averaging with local error compensation (``slamb.sparse``) and the SLAMB
 optimizer (``slamb.SLAMB``)."""
 from .mask import random_k_indices

@@ -1,4 +1,4 @@
-"""LAMB, the random-k mask, hvd.RandomK and SLAMB (issue 7), on 2, 3 and 4 real ranks over Gloo
+"""LAMB, the random-k mask, hvd.RandomK and SLAMB, on 2, 3 and 4 real ranks over Gloo
 and MPI, checked against single-process simulations written plainly here.
 
 One spawn per (backend, np) runs every check and returns everything; at np = 4 the ranks form 2

@@ -24,13 +24,13 @@ from .mpi_ops import (allgather_async, allgather_object, allreduce_, allreduce_a
                       grouped_reducescatter_async, join, poll, reducescatter_async,
                       synchronize)
 
-# --- ops and optimizers from the papers (each issue adds its own lines here) ----------------
-# issue 5 (Adasum) exports
+# --- ops and optimizers from the papers --------------------------------------------------
+# Adasum
 from ..adasum_op import Adasum
-# issue 6 (1-bit) exports
+# 1-bit compressed allreduce and optimizers
 from onebit import OnebitAdam, OnebitLamb
 from ..onebit_op import OneBit
-# issue 7 (LAMB, random-k, SLAMB) exports
+# LAMB, random-k, SLAMB
 from slamb import SLAMB
 from ..backends.lamb import Lamb
 from ..randomk_op import RandomK
