@@ -14,6 +14,23 @@ from . import shm
 from .base import Communicator, ReduceOp, split_sizes
 
 
+def _layout(hostnames: Sequence[str]):
+    """For processes 0..n-1 on ``hostnames``: (node of each, the processes of each node,
+    the processes with each local rank (one per node that has that many), each one's local
+    rank).  Nodes are numbered in the order of their lowest process."""
+    nodes: List[str] = []
+    for h in hostnames:
+        if h not in nodes:
+            nodes.append(h)
+    node_of = [nodes.index(h) for h in hostnames]
+    local_groups = [[q for q in range(len(hostnames)) if node_of[q] == n]
+                    for n in range(len(nodes))]
+    position = [local_groups[node_of[q]].index(q) for q in range(len(hostnames))]
+    cross_groups = [[q for q in range(len(hostnames)) if position[q] == p]
+                    for p in range(max(position) + 1)]
+    return node_of, local_groups, cross_groups, position
+
+
 @dataclass
 class Topology:
     world: Communicator
@@ -53,25 +70,16 @@ class Topology:
     @classmethod
     def build(cls, world: Communicator, hostname: str) -> "Topology":
         hostnames = world.allgather_object(hostname)
-        nodes: List[str] = []
-        for h in hostnames:
-            if h not in nodes:
-                nodes.append(h)
-        node_of = [nodes.index(h) for h in hostnames]
+        node_of, local_groups, cross_groups, position = _layout(hostnames)
         me = world.rank
-        local_ranks = [r for r in range(world.size) if node_of[r] == node_of[me]]
-        local_rank = local_ranks.index(me)
-        local_sizes = [node_of.count(n) for n in range(len(nodes))]
-        local = world if len(nodes) == 1 else world.split(node_of[me])
-        # Ranks with the same local rank, one per node that has that many processes.
-        position = [[r for r in range(world.size) if node_of[r] == node_of[q]].index(q)
-                    for q in range(world.size)]
-        cross_members = [r for r in range(world.size) if position[r] == local_rank]
-        cross = world if len(cross_members) == world.size else world.split(local_rank)
+        local_ranks = local_groups[node_of[me]]
+        cross_members = cross_groups[position[me]]
+        local = world if len(local_groups) == 1 else world.split(node_of[me])
+        cross = world if len(cross_members) == world.size else world.split(position[me])
         return cls(world=world, local=local, cross=cross, hostnames=hostnames, node_of=node_of,
-                   local_rank=local_rank, local_size=len(local_ranks),
+                   local_rank=position[me], local_size=len(local_ranks),
                    cross_rank=cross_members.index(me), cross_size=len(cross_members),
-                   is_homogeneous=len(set(local_sizes)) == 1)
+                   is_homogeneous=len({len(g) for g in local_groups}) == 1)
 
     @classmethod
     def for_ranks(cls, parent: "Topology", ranks: Sequence[int]) -> Optional["Topology"]:
@@ -80,37 +88,27 @@ class Topology:
         passes the same ranks); None on ranks outside the subset."""
         ranks = list(ranks)
         hostnames = [parent.hostnames[r] for r in ranks]
-        nodes: List[str] = []
-        for h in hostnames:
-            if h not in nodes:
-                nodes.append(h)
-        node_of = [nodes.index(h) for h in hostnames]
-        local_groups = [[ranks[i] for i in range(len(ranks)) if node_of[i] == n]
-                        for n in range(len(nodes))]
-        position = [[i for i in range(len(ranks)) if node_of[i] == node_of[q]].index(q)
-                    for q in range(len(ranks))]
-        cross_groups = [[ranks[i] for i in range(len(ranks)) if position[i] == p]
-                        for p in range(max(position) + 1)]
+        node_of, local_groups, cross_groups, position = _layout(hostnames)
+        # as world ranks of the parent, for create_groups
+        local_groups = [[ranks[i] for i in g] for g in local_groups]
+        cross_groups = [[ranks[i] for i in g] for g in cross_groups]
         groups = [ranks]
-        if len(nodes) > 1:
+        if len(local_groups) > 1:
             groups += local_groups
-        if any(len(g) != len(ranks) for g in cross_groups):
+        if len(cross_groups) > 1:
             groups += cross_groups
-        made = parent.world.create_groups(groups)
+        made = dict(zip(map(tuple, groups), parent.world.create_groups(groups)))
         if parent.rank not in ranks:
             return None
         me = ranks.index(parent.rank)
-        world = made[0]
-        pick = dict(zip(map(tuple, groups), made))
+        world = made[tuple(ranks)]
         local_ranks = local_groups[node_of[me]]
         cross_members = cross_groups[position[me]]
-        local = pick.get(tuple(local_ranks), world) if len(nodes) > 1 else world
-        cross = pick.get(tuple(cross_members), world)
-        local_sizes = [len(g) for g in local_groups]
-        return cls(world=world, local=local, cross=cross, hostnames=hostnames, node_of=node_of,
-                   local_rank=local_ranks.index(parent.rank), local_size=len(local_ranks),
+        return cls(world=world, local=made.get(tuple(local_ranks), world),
+                   cross=made.get(tuple(cross_members), world), hostnames=hostnames,
+                   node_of=node_of, local_rank=position[me], local_size=len(local_ranks),
                    cross_rank=cross_members.index(parent.rank), cross_size=len(cross_members),
-                   is_homogeneous=len(set(local_sizes)) == 1)
+                   is_homogeneous=len({len(g) for g in local_groups}) == 1)
 
     # --- in-node steps of hierarchical algorithms ------------------------------------------
     def in_node(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
