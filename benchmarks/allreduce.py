@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py                 # np=2, Gloo and MPI, 4 KiB .. 64 MiB
     python benchmarks/allreduce.py --lab           # also flat vs hierarchical, 2 lab hosts x 2
+    python benchmarks/allreduce.py --in-node-only  # shared memory vs the transport, 2 local ranks
     python benchmarks/allreduce.py --quick         # fewer sizes, shorter runs
 
 Prints a table and writes JSON (``--out``).  Each method is timed over blocks of back-to-back
@@ -95,8 +96,8 @@ def worker(args):
                "hvd_gap": (in_place, gap), "raw_gap": (raw_call, gap),
                "hvd_copy": (lambda buf: hvd.allreduce(buf, op=hvd.Sum, name="bench_copy"), 0.0),
                "hvd_x8": (hvd_x8, 0.0)}
-    if args.only_hvd:
-        methods = {"hvd": methods["hvd"]}
+    if args.methods:
+        methods = {m: methods[m] for m in args.methods.split(",")}
     rows = []
     for size in args.sizes:
         buf = torch.zeros(size // 4)
@@ -114,12 +115,12 @@ def worker(args):
         row = {"size": size, "calls": calls * blocks}
         for m, ts in samples.items():
             row[f"{m}_us"] = statistics.median(ts) * 1e6 / (8 if m == "hvd_x8" else 1)
-        if "raw" in samples:
-            # Each hvd block against the raw block run right next to it: drift of this shared
-            # machine between blocks (often larger than the difference measured) cancels out.
-            for ours, theirs, key in (("hvd", "raw", "paired_overhead_pct"),
-                                      ("hvd_gap", "raw_gap", "paired_gap_overhead_pct"),
-                                      ("raw_again", "raw", "paired_a_a_pct")):
+        # Each hvd block against the raw block run right next to it: drift of this shared
+        # machine between blocks (often larger than the difference measured) cancels out.
+        for ours, theirs, key in (("hvd", "raw", "paired_overhead_pct"),
+                                  ("hvd_gap", "raw_gap", "paired_gap_overhead_pct"),
+                                  ("raw_again", "raw", "paired_a_a_pct")):
+            if ours in samples and theirs in samples:
                 row[key] = 100.0 * (statistics.median(
                     a / b for a, b in zip(samples[ours], samples[theirs])) - 1.0)
         rows.append(row)
@@ -129,17 +130,43 @@ def worker(args):
     hvd.shutdown()
 
 
-def launch(kind, np, sizes, seconds, gap_us=0.0, env=None, hosts=None, only_hvd=False):
+def launch(kind, np, sizes, seconds, gap_us=0.0, env=None, hosts=None, methods=""):
     argv = [os.path.abspath(__file__), "--worker", "--seconds", str(seconds), "--gap-us", str(gap_us),
             "--sizes", ",".join(map(str, sizes))]
-    if only_hvd:
-        argv.append("--only-hvd")
+    if methods:
+        argv += ["--methods", methods]
     return _spawn.run_collect(kind, argv, np, env, hosts)["rows"]
+
+
+def in_node(args):
+    """2 ranks on this host: hvd.allreduce_ with its in-node steps in shared memory, the
+    transport's own allreduce of the same buffer (Gloo: loopback TCP), and hvd.allreduce_ with
+    HOROVOD_SHARED_MEMORY=0 (over the transport)."""
+    sizes = [s for s in args.sizes if s >= 1024 * KIB] or args.sizes
+    print(f"\nin-node: 2 ranks on this host, Sum allreduce in place, {args.in_node_runs} runs\n"
+          f"{'transport':<9} {'size':>9} {'raw ms':>9} {'shm ms':>9} {'no-shm ms':>9} "
+          f"{'raw/shm':>8}", flush=True)
+    rows = []
+    for kind in args.backends.split(","):
+        for run in range(args.in_node_runs):
+            shared = launch(kind, 2, sizes, args.seconds, methods="raw,hvd")
+            sockets = launch(kind, 2, sizes, args.seconds, methods="hvd",
+                             env={"HOROVOD_SHARED_MEMORY": "0"})
+            for a, b in zip(shared, sockets):
+                row = {"transport": kind, "run": run, "size": a["size"],
+                       "raw_ms": a["raw_us"] / 1e3, "shm_ms": a["hvd_us"] / 1e3,
+                       "no_shm_ms": b["hvd_us"] / 1e3}
+                row["raw_over_shm"] = row["raw_ms"] / row["shm_ms"]
+                rows.append(row)
+                print(f"{kind:<9} {_spawn.human(row['size']):>9} {row['raw_ms']:>9.2f} "
+                      f"{row['shm_ms']:>9.2f} {row['no_shm_ms']:>9.2f} "
+                      f"{row['raw_over_shm']:>7.2f}x", flush=True)
+    return {"runs": args.in_node_runs, "rows": rows}
 
 
 def main():
     p = _spawn.parser(__doc__, "allreduce.json", SIZES)
-    p.add_argument("--only-hvd", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--methods", default="", help=argparse.SUPPRESS)
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--backends", default="gloo,mpi")
     p.add_argument("--seconds", type=float, default=2.0, help="time budget per size and method")
@@ -150,6 +177,10 @@ def main():
     p.add_argument("--lab-rate", default="1gbit")
     p.add_argument("--lab-only", action="store_true", help="skip the local runs")
     p.add_argument("--lab-runs", type=int, default=3, help="repetitions of the lab comparison")
+    p.add_argument("--in-node", action="store_true",
+                   help="also 2 ranks on this host: shared memory against the transport alone")
+    p.add_argument("--in-node-only", action="store_true", help="only the --in-node comparison")
+    p.add_argument("--in-node-runs", type=int, default=3)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -157,15 +188,17 @@ def main():
         args.sizes = [4 * KIB, 1024 * KIB, 16 * KIB * KIB]
         args.seconds = 0.6
     report = {"np": args.np, "local": {}, "lab": None}
-    print("raw: the transport alone, in place; hvd_: hvd.allreduce_ (in place); back to back, "
-          f"and after {args.gap_us:g} us of busy work per call (gap);\nhvd: hvd.allreduce (new "
-          "tensor); x8/tensor: 8 async allreduce_ in flight, time per tensor.  Medians, us.")
-    print("over: the median over blocks of each hvd_ block's time against the raw block next "
-          "to it, in percent (JSON: paired_*; the ratio of the medians is in it too);\na/a: the "
-          "same for a second raw block against the first, the noise floor of this machine.")
-    print(f"{'transport':<9} {'size':>9} {'raw':>9} {'hvd_':>9} {'over':>7} {'a/a':>7} "
-          f"{'raw gap':>9} {'hvd_ gap':>9} {'over':>7} {'hvd':>9} {'x8/tensor':>9}", flush=True)
-    for kind in ([] if args.lab_only else args.backends.split(",")):
+    local_kinds = [] if args.lab_only or args.in_node_only else args.backends.split(",")
+    if local_kinds:
+        print("raw: the transport alone, in place; hvd_: hvd.allreduce_ (in place); back to back, "
+              f"and after {args.gap_us:g} us of busy work per call (gap);\nhvd: hvd.allreduce (new "
+              "tensor); x8/tensor: 8 async allreduce_ in flight, time per tensor.  Medians, us.")
+        print("over: the median over blocks of each hvd_ block's time against the raw block next "
+              "to it, in percent (JSON: paired_*; the ratio of the medians is in it too);\na/a: the "
+              "same for a second raw block against the first, the noise floor of this machine.")
+        print(f"{'transport':<9} {'size':>9} {'raw':>9} {'hvd_':>9} {'over':>7} {'a/a':>7} "
+              f"{'raw gap':>9} {'hvd_ gap':>9} {'over':>7} {'hvd':>9} {'x8/tensor':>9}", flush=True)
+    for kind in local_kinds:
         rows = launch(kind, args.np, args.sizes, args.seconds, args.gap_us)
         report["local"][kind] = rows
         for r in rows:
@@ -178,6 +211,8 @@ def main():
                   f"{r['hvd_gap_us']:>9.1f} {r['paired_gap_overhead_pct']:>6.1f}% "
                   f"{r['hvd_copy_us']:>9.1f} "
                   f"{r['hvd_x8_us']:>9.1f}", flush=True)
+    if args.in_node or args.in_node_only:
+        report["in_node"] = in_node(args)
     if args.lab or args.lab_only:
         sizes = [s for s in args.sizes if s >= 1024 * KIB] or args.sizes
         report["lab"] = {"rate": args.lab_rate, "runs": args.lab_runs, "rows": []}
@@ -190,8 +225,8 @@ def main():
                 # Gloo: ranks 0-1 on host 0; mpirun deals ranks to the hosts in turn.
                 hosts = ["nl-0", "nl-0", "nl-1", "nl-1"] if kind == "gloo" else ["lab"] * 4
                 for run in range(args.lab_runs):
-                    flat = launch(kind, 4, sizes, args.seconds, hosts=hosts, only_hvd=True)
-                    hier = launch(kind, 4, sizes, args.seconds, hosts=hosts, only_hvd=True,
+                    flat = launch(kind, 4, sizes, args.seconds, hosts=hosts, methods="hvd")
+                    hier = launch(kind, 4, sizes, args.seconds, hosts=hosts, methods="hvd",
                                   env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
                     for f, h in zip(flat, hier):
                         row = {"transport": kind, "run": run, "size": f["size"],

@@ -6,12 +6,15 @@ with the same local rank, all-gather inside the node.  The cross-node step is a 
 Adasum, 1-bit and random-k plug their own algorithm into it instead of copying this code.  The
 in-node steps of CPU buffers go through shared memory (backends/shm.py, reached through the
 topology) where the host allows it and HOROVOD_SHARED_MEMORY is not 0, over the local
-communicator otherwise; elementwise ops pipeline them with the cross-node step.
+communicator otherwise; elementwise ops pipeline them with the cross-node step.  When every
+rank is on one host, elementwise allreduces from the size where it pays (Gloo: 64 KiB, MPI:
+32 MiB) run through that shared memory too, hierarchical or not.
 """
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .backends import shm
 from .backends.base import Communicator, ReduceOp, split_sizes
 from .backends.topology import Topology
 
@@ -33,10 +36,28 @@ class Collectives:
         will reduce: this rank's shared-memory slot when the in-node steps run there (no copy
         in, none of its own shard out), None otherwise.  Collective over the local ranks, as
         the reduction that follows is."""
-        if not (self.hierarchical_allreduce and self.hierarchy_applies):
+        empty = torch.empty(0, dtype=dtype)
+        if not ((self.hierarchical_allreduce and self.hierarchy_applies)
+                or self._single_node(numel * empty.element_size())):
             return None
-        in_node = self.topology.in_node(torch.empty(0, dtype=dtype))
+        in_node = self.topology.in_node(empty)
         return None if in_node is None else in_node.buffer(numel, dtype)
+
+    def _single_node(self, nbytes: int) -> bool:
+        """Whether a whole elementwise allreduce of ``nbytes`` goes through shared memory: every
+        rank is on this host, which allows it, and the buffer is large enough for that to beat
+        the world communicator (its ``shared_memory_from_bytes``)."""
+        t = self.topology
+        return (t.num_nodes == 1 and t.local_size > 1 and t.shared_memory and shm.available()
+                and nbytes >= self.world.shared_memory_from_bytes)
+
+    def reduces_on_world(self, buffer: torch.Tensor) -> bool:
+        """Whether an elementwise allreduce of ``buffer`` is one plain call of the world
+        communicator (not hierarchical, not through shared memory)."""
+        if self.hierarchical_allreduce and self.hierarchy_applies:
+            return False
+        return not (shm.usable_for(buffer.view(-1))
+                    and self._single_node(buffer.numel() * buffer.element_size()))
 
     def _chunk_elements(self, buffer: torch.Tensor) -> int:
         """Pipeline chunks: HOROVOD_HIERARCHICAL_CHUNK_BYTES, or an eighth of the buffer
@@ -44,7 +65,6 @@ class Collectives:
         nbytes = buffer.numel() * buffer.element_size()
         chunk = self._chunk_bytes or min(max(nbytes // 8, 1 << 20), 16 << 20)
         return max(1, chunk // buffer.element_size())
-
 
     @property
     def hierarchy_applies(self) -> bool:
@@ -65,6 +85,9 @@ class Collectives:
             return hierarchical_allreduce(buffer, self.topology, op, cross_step)
         if cross_step is not None:
             return buffer.copy_(cross_step(buffer, 0, self.topology))
+        if not self.reduces_on_world(buffer):
+            self.topology.in_node(buffer.view(-1)).allreduce(buffer.view(-1), op)
+            return buffer
         return self.world.allreduce(buffer, op)
 
     def allgather(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:

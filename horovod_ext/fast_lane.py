@@ -53,7 +53,7 @@ class CachedAllreduce:
         flat_elementwise = (self.in_place and type(op) in (ElementwiseOp, AverageOp)
                             and dtype != torch.bool
                             and prescale == postscale == 1.0
-                            and not (comms.hierarchical_allreduce and comms.hierarchy_applies))
+                            and comms.reduces_on_world(tensor))
         if flat_elementwise:
             self._prepared = comms.world.prepare_allreduce_by_address(tensor.view(-1),
                                                                       op.reduce_op)

@@ -44,6 +44,9 @@ def body_in_node_reductions():
                     want = (want != 0) if op in (ReduceOp.SUM, ReduceOp.MAX) else want.bool()
                 got = group.allreduce(mine.clone(), op)
                 assert torch.equal(got, want.to(dtype)), (n, dtype, op)
+                if n > 1000 and op is ReduceOp.SUM:   # many chunks, ends mid-shard
+                    got = group.allreduce(mine.clone(), op, chunk_elements=777)
+                    assert torch.equal(got, want.to(dtype)), (n, dtype, op, "chunked")
     assert local.size == len(members)
     return True
 
@@ -94,6 +97,40 @@ def test_hierarchical_allreduce_2x2(backend, shared, chunk):
            "HOROVOD_HIERARCHICAL_CHUNK_BYTES": chunk}
     assert all(run_ranks(body_hierarchical, 4, backend, env=env, args=(shared == "1",),
                          hostnames=["a", "a", "b", "b"], timeout=120))
+
+
+def body_single_host(expect_shared: bool):
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    r, n = hvd.rank(), hvd.size()
+    comms = runtime.state.comms
+    large = comms.world.shared_memory_from_bytes // 4 + 1001     # float32 elements
+    for step, numel in enumerate((10, 4097, large)):
+        got = hvd.allreduce(sample(r, numel, torch.float32, step), op=hvd.Sum, name=f"s{step}")
+        want = sum(sample(k, numel, torch.float32, step) for k in range(n))
+        assert torch.equal(got, want), step
+        x = sample(r, numel, torch.int64, step)
+        hvd.allreduce_(x, op=hvd.Min, name=f"m{step}")
+        want = torch.stack([sample(k, numel, torch.int64, step) for k in range(n)]).min(0).values
+        assert torch.equal(x, want), step
+    # fused tensors packed into the slot when the buffer is large enough
+    sizes = [large // 3, large // 3, large - 2 * (large // 3)]
+    got = hvd.grouped_allreduce([sample(r, k, torch.float32, 70 + i) for i, k in enumerate(sizes)],
+                                op=hvd.Average, name="g")
+    for i, (k, g) in enumerate(zip(sizes, got)):
+        want = sum(sample(q, k, torch.float32, 70 + i) for q in range(n)) / n
+        assert torch.allclose(g, want, rtol=1e-6, atol=1e-6), i
+    return (comms.topology._in_node is not None) == expect_shared
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shared", ["1", "0"])
+def test_single_host_allreduce_through_shared_memory(backend, shared):
+    """All ranks on one host, not hierarchical: large elementwise allreduces take the
+    shared-memory group (HOROVOD_SHARED_MEMORY=0 keeps them on the transport)."""
+    assert all(run_ranks(body_single_host, 3, backend, args=(shared == "1",),
+                         env={"HOROVOD_SHARED_MEMORY": shared}, timeout=100))
 
 
 def body_local_rank_dies():

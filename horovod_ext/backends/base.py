@@ -92,6 +92,10 @@ class Communicator(ABC):
         """Release transport resources; the communicator is unusable afterwards."""
 
     # --- the same call again and again --------------------------------------------------------
+    #: From this many bytes, an allreduce among ranks of one host goes faster through the
+    #: shared-memory group (shm.py) than through this communicator.
+    shared_memory_from_bytes = 64 << 10
+
     # Algorithms that repeat one exchange every step (Adasum's levels) can prepare it once.
     # Right after a large transfer has evicted the caches, each torch op on the way to the
     # transport (a slice, a tensor -> buffer conversion) costs tens of microseconds here.

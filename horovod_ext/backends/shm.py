@@ -4,9 +4,9 @@ The ranks of one host map the same segment: a header of per-rank progress counte
 ids, then one slot per rank.  A reduction of a flat buffer runs in three phases, each closed by
 every rank raising its counter (no kernel call, no copy through sockets):
 
-1. each rank copies its buffer into its slot;
-2. reduce-scatter: rank i reduces shard i of every slot into shard i of its own slot, reading
-   each byte of its shard once per rank;
+1. each rank copies its buffer into its slot, all but its own shard (which only it reads);
+2. reduce-scatter: rank i reduces shard i of its buffer and of every other slot into shard i of
+   its own slot, reading each byte of its shard once per rank;
 3. all-gather: each rank copies every shard from the slot of the rank that reduced it.
 
 The hierarchical allreduce puts the cross-node step between phases 2 and 3, on the shard alone.
@@ -35,6 +35,9 @@ _SPIN_S = 50e-6                   # busy-poll this long, then nap between polls
 _NAP_S = 20e-6
 _PID_CHECK_S = 0.1                # how often a waiting rank checks that its peers still live
 SEGMENT_DIR = "/dev/shm"
+# An in-node allreduce goes chunk by chunk: what one phase writes is read by the next from the
+# caches (at 64 MiB, whole-buffer phases stream every byte through memory three times).
+IN_NODE_CHUNK_BYTES = 4 << 20
 
 
 def available() -> bool:
@@ -151,19 +154,28 @@ class SharedMemoryGroup:
     def reduce_scatter(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """Phases 1 and 2 for the contiguous 1-D CPU ``flat``: this rank's reduced shard (a
         view into shared memory, valid until ``allgather``); shards as ``split_sizes``."""
-        self._ensure(flat.numel() * flat.element_size())
-        own = self._view(self.rank, flat)
-        if own.data_ptr() != flat.data_ptr():
-            own.copy_(flat)
-        self._arrive_and_wait("reduce-scatter")
-        counts = split_sizes(flat.numel(), self.size)
-        start = sum(counts[:self.rank])
+        n = flat.numel()
+        self._ensure(n * flat.element_size())
+        return self._reduce_range(flat, [self._view(k, flat) for k in range(self.size)],
+                                  0, n, op)
+
+    def _reduce_range(self, flat: torch.Tensor, views: List[torch.Tensor], a: int, b: int,
+                      op: ReduceOp) -> torch.Tensor:
+        """Phases 1 and 2 for ``flat[a:b]``: this rank's reduced shard of that range, in its
+        slot.  Only the other ranks' shards are copied in (nobody else reads this rank's own
+        shard): its reduction reads it straight from ``flat``."""
+        own = views[self.rank]
+        counts = split_sizes(b - a, self.size)
+        start = a + sum(counts[:self.rank])
         stop = start + counts[self.rank]
-        shard = self._view(self.rank, flat)[start:stop]
-        others = [self._view(k, flat)[start:stop] for k in range(self.size) if k != self.rank]
-        _reduce_into(shard, others, op)
+        resident = own.data_ptr() == flat.data_ptr()
+        if not resident:
+            own[a:start].copy_(flat[a:start])
+            own[stop:b].copy_(flat[stop:b])
         self._arrive_and_wait("reduce-scatter")
-        return shard
+        others = [v[start:stop] for k, v in enumerate(views) if k != self.rank]
+        _reduce_into(own[start:stop], flat[start:stop], others, op)
+        return own[start:stop]
 
     def allgather(self, flat: torch.Tensor, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Phase 3: ``flat`` gets every rank's shard (``shard``, when given, replaces this
@@ -184,41 +196,39 @@ class SharedMemoryGroup:
         self._arrive_and_wait("all-gather")
         return flat
 
-    def allreduce(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-        """In-node allreduce of the contiguous 1-D CPU ``flat``, in place; returns it."""
-        return self.allgather(flat, self.reduce_scatter(flat, op))
+    def allreduce(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                  chunk_elements: int = 0) -> torch.Tensor:
+        """In-node allreduce of the contiguous 1-D CPU ``flat``, in place; returns it.  Chunk by
+        chunk (``chunk_elements``, by default IN_NODE_CHUNK_BYTES' worth), so that what a phase
+        writes is still in the caches when the next one reads it."""
+        chunk = chunk_elements or max(1, IN_NODE_CHUNK_BYTES // flat.element_size())
+        return self.pipelined_allreduce(flat, op, None, chunk)
 
     def pipelined_allreduce(self, flat: torch.Tensor, op: ReduceOp,
-                            cross: Callable[[torch.Tensor], object],
+                            cross: Optional[Callable[[torch.Tensor], object]],
                             chunk_elements: int) -> torch.Tensor:
         """Hierarchical allreduce of ``flat`` in chunks: ``cross(shard)`` (the cross-node
         allreduce of this rank's shard of a chunk, in place) runs on a worker thread while the
         next chunk is reduced in the node and the previous one gathered, so the whole costs
-        about the larger of the in-node and cross-node times rather than their sum."""
+        about the larger of the in-node and cross-node times rather than their sum.  Without
+        ``cross``, each chunk is gathered right after its reduction."""
         n = flat.numel()
         self._ensure(n * flat.element_size())
         views = [self._view(k, flat) for k in range(self.size)]
-        own = views[self.rank]
-        resident = own.data_ptr() == flat.data_ptr()
+        resident = views[self.rank].data_ptr() == flat.data_ptr()
         edges = list(range(0, n, max(1, chunk_elements))) + [n]
         chunks = list(zip(edges, edges[1:]))
-        if self._pool is None:
+        if cross is not None and self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="horovod_ext-cross")
         pending = []
 
         def reduce_chunk(a: int, b: int):
-            if not resident:
-                own[a:b].copy_(flat[a:b])
-            self._arrive_and_wait("reduce-scatter")
-            counts = split_sizes(b - a, self.size)
-            start = a + sum(counts[:self.rank])
-            stop = start + counts[self.rank]
-            _reduce_into(own[start:stop], [v[start:stop] for k, v in enumerate(views)
-                                            if k != self.rank], op)
-            pending.append(self._pool.submit(cross, own[start:stop]))
+            shard = self._reduce_range(flat, views, a, b, op)
+            pending.append(None if cross is None else self._pool.submit(cross, shard))
 
         def gather_chunk(index: int):
-            pending[index].result()
+            if pending[index] is not None:
+                pending[index].result()
             self._arrive_and_wait("all-gather")
             a, b = chunks[index]
             for k, count in enumerate(split_sizes(b - a, self.size)):
@@ -227,14 +237,17 @@ class SharedMemoryGroup:
                 a += count
 
         try:
-            reduce_chunk(*chunks[0])
-            for index in range(1, len(chunks)):
+            lag = 0 if cross is None else 1
+            for index in range(len(chunks)):
                 reduce_chunk(*chunks[index])
-                gather_chunk(index - 1)
-            gather_chunk(len(chunks) - 1)
+                if index >= lag:
+                    gather_chunk(index - lag)
+            if lag:
+                gather_chunk(len(chunks) - 1)
         finally:
             for future in pending:   # nothing may still write into the slot after a failure
-                future.exception()
+                if future is not None:
+                    future.exception()
         # Nobody may refill its slot (the next call) before every rank has read it.
         self._arrive_and_wait("all-gather")
         return flat
@@ -252,19 +265,18 @@ def _alive(pid: int) -> bool:
         return True   # cannot tell: the timeout still applies
 
 
-def _reduce_into(out: torch.Tensor, others: List[torch.Tensor], op: ReduceOp):
+def _reduce_into(out: torch.Tensor, mine: torch.Tensor, others: List[torch.Tensor],
+                 op: ReduceOp):
+    """``out`` = ``mine`` reduced with every tensor of ``others`` (``mine`` may be ``out``)."""
     if out.dtype == torch.bool:
-        out, others = out.view(torch.uint8), [o.view(torch.uint8) for o in others]
+        out, mine = out.view(torch.uint8), mine.view(torch.uint8)
+        others = [o.view(torch.uint8) for o in others]
         op = ReduceOp.MAX if op in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN
+    combine = {ReduceOp.SUM: torch.add, ReduceOp.MIN: torch.minimum,
+               ReduceOp.MAX: torch.maximum}.get(op, torch.mul)
     for other in others:
-        if op is ReduceOp.SUM:
-            out.add_(other)
-        elif op is ReduceOp.MIN:
-            torch.minimum(out, other, out=out)
-        elif op is ReduceOp.MAX:
-            torch.maximum(out, other, out=out)
-        else:
-            out.mul_(other)
+        combine(mine, other, out=out)
+        mine = out
 
 
 def usable_for(tensor: torch.Tensor) -> bool:
