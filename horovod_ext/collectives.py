@@ -117,7 +117,7 @@ def hierarchical_allgather(tensor: torch.Tensor, topology: Topology,
     members = [[r for r in range(len(node_of)) if node_of[r] == n]
                for n in range(topology.num_nodes)]
     mine = members[node_of[topology.rank]]
-    block = topology.local.allgather(tensor, [counts[r] for r in mine])
+    block = topology.node_allgather_rows(tensor.contiguous(), [counts[r] for r in mine])
     node_rows = [sum(counts[r] for r in m) for m in members]
     # The cross communicator is ordered by global rank, which need not be node order.
     cross_members = topology.cross_members

@@ -176,3 +176,25 @@ def test_no_segment_left_after_kill_9(backend):
     run_ranks(body_killed_mid_job, 2, backend, expect_failure=True, timeout=40,
               env={"HOROVOD_COMM_TIMEOUT_SECONDS": "5"})
     assert set(glob.glob(SEGMENTS)) <= before, "a segment was left in /dev/shm"
+
+
+def body_hierarchical_allgather():
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    r, n = hvd.rank(), hvd.size()
+    for step, (rows, dtype) in enumerate(((lambda k: k + 1, torch.float32),
+                                          (lambda k: 0 if k == 1 else 3, torch.int64),
+                                          (lambda k: 40_000 * (k + 1), torch.float64),
+                                          (lambda k: 2, torch.bool))):
+        data = [sample(k, rows(k) * 5, dtype, step).view(rows(k), 5) for k in range(n)]
+        got = hvd.allgather(data[r], name=f"ag{step}")
+        assert torch.equal(got, torch.cat(data)), step
+    return runtime.state.comms.topology._in_node is not None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hierarchical_allgather_through_shared_memory(backend):
+    env = {"HOROVOD_HIERARCHICAL_ALLGATHER": "1"}
+    assert all(run_ranks(body_hierarchical_allgather, 4, backend, env=env,
+                         hostnames=["a", "b", "a", "b"], timeout=100))

@@ -17,6 +17,7 @@ rank whose process has gone, ends in ``CommunicationError`` naming the local ran
 Counters are plain int64 stores into the mapping, written after the data they publish: x86's
 total store order makes the data visible first (this module is not used on other CPUs).
 """
+import math
 import mmap
 import os
 import platform
@@ -195,6 +196,25 @@ class SharedMemoryGroup:
         # Nobody may refill its slot (the next phase 1) before every rank has read it.
         self._arrive_and_wait("all-gather")
         return flat
+
+    def allgather_rows(self, tensor: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """Every local rank's contiguous CPU ``tensor`` (``counts[k]`` rows on local rank k,
+        the same trailing shape everywhere) concatenated along dim 0 in local-rank order."""
+        row = math.prod(tensor.shape[1:])
+        self._ensure(max(counts) * row * tensor.element_size())
+        flat = tensor.reshape(-1)
+        self._slots[self.rank][:flat.numel() * flat.element_size()].view(flat.dtype).copy_(flat)
+        self._arrive_and_wait("all-gather")
+        out = torch.empty((sum(counts),) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+        out_flat, offset = out.view(-1), 0
+        for k, count in enumerate(counts):
+            n = count * row
+            out_flat[offset:offset + n].copy_(
+                self._slots[k][:n * tensor.element_size()].view(tensor.dtype))
+            offset += n
+        # Nobody may refill its slot before every rank has read it.
+        self._arrive_and_wait("all-gather")
+        return out
 
     def allreduce(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                   chunk_elements: int = 0) -> torch.Tensor:

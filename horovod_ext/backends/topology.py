@@ -2,8 +2,9 @@
 
 Hosts are told apart by host name (HOROVOD_HOSTNAME overrides it); nodes are numbered in the
 order of their lowest rank, and local ranks follow global rank order inside a node.  The in-node
-steps of hierarchical algorithms (``node_reduce_scatter``, ``node_allgather``) go through shared
-memory (shm.py) once the runtime has allowed it, over the local communicator otherwise.
+steps of hierarchical algorithms (``node_reduce_scatter``, ``node_allgather``,
+``node_allgather_rows``) go through shared memory (shm.py) once the runtime has allowed it, over
+the local communicator otherwise.
 """
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
@@ -145,6 +146,13 @@ class Topology:
             return in_node.allgather(flat, shard)
         return flat.copy_(self.local.allgather(shard, split_sizes(flat.numel(),
                                                                   self.local_size)))
+
+    def node_allgather_rows(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+        """Every local rank's ``tensor`` (``counts``: rows per local rank) along dim 0."""
+        in_node = self.in_node(tensor.reshape(-1)) if tensor.is_contiguous() else None
+        if in_node is not None:
+            return in_node.allgather_rows(tensor, list(counts))
+        return self.local.allgather(tensor, counts)
 
     def close(self):
         if self._in_node is not None:
