@@ -222,8 +222,7 @@ def main():
               flush=True)
         with _spawn.lab(2, args.lab_rate):
             for kind in args.backends.split(","):
-                # Gloo: ranks 0-1 on host 0; mpirun deals ranks to the hosts in turn.
-                hosts = ["nl-0", "nl-0", "nl-1", "nl-1"] if kind == "gloo" else ["lab"] * 4
+                hosts = ["nl-0", "nl-0", "nl-1", "nl-1"]       # ranks 0-1 on host 0
                 for run in range(args.lab_runs):
                     flat = launch(kind, 4, sizes, args.seconds, hosts=hosts, methods="hvd")
                     hier = launch(kind, 4, sizes, args.seconds, hosts=hosts, methods="hvd",
