@@ -115,5 +115,5 @@ def assign(hosts: Sequence[Tuple[str, int]], np: int) -> List[Slot]:
 def is_local(host: str, local_addresses: Sequence[str] = ()) -> bool:
     """Whether ``host`` names this machine (then its ranks start without ssh)."""
     name = socket.gethostname()
-    return host in ("localhost", "127.0.0.1", "::1", name, name.split(".")[0]) \
-        or host in local_addresses
+    return host in ("localhost", "::1", name, name.split(".")[0]) \
+        or host.startswith("127.") or host in local_addresses

@@ -111,6 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--stall-check-warning-time-seconds", type=positive_float)
     tune.add_argument("--stall-check-shutdown-time-seconds", type=non_negative_float)
     tune.add_argument("--log-level", type=_log_level, help=", ".join(LOG_LEVELS))
+    el = p.add_argument_group("elastic mode (workers may leave and join; Gloo only)")
+    el.add_argument("--min-np", type=positive_int,
+                    help="fewest workers to train with (default: -np)")
+    el.add_argument("--max-np", type=positive_int,
+                    help="most workers to run at once (default: -np)")
+    el.add_argument("--host-discovery-script",
+                    help="command printing the hosts on offer, one HOST:SLOTS per line; run "
+                         "every second")
+    el.add_argument("--slots-per-host", type=positive_int,
+                    help="slots of a host the discovery script prints without :SLOTS")
+    el.add_argument("--elastic-timeout", type=positive_float, default=600.0,
+                    help="seconds to wait for --min-np workers after a failure (default 600)")
+    el.add_argument("--reset-limit", type=non_negative_int,
+                    help="most re-formings of the job before it fails")
+    el.add_argument("--blacklist-cooldown-range", type=non_negative_float, nargs=2,
+                    metavar=("MIN", "MAX"),
+                    help="a failed host may come back after a random time in [MIN, MAX] s "
+                         "(default: never)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
@@ -141,6 +159,26 @@ def parse(argv=None) -> argparse.Namespace:
     o.interfaces = [i for i in (o.network_interfaces or "").split(",") if i.strip()]
     if o.network_interfaces is not None and not o.interfaces:
         parser.error("--network-interfaces names no interface")
+    o.elastic = bool(o.host_discovery_script or o.min_np or o.max_np)
+    if o.elastic:
+        if o.mpi:
+            parser.error("elastic mode (--min-np, --max-np, --host-discovery-script) runs over "
+                         "Gloo, not mpirun: drop --mpi")
+        if o.np is None:
+            o.np = o.min_np
+        if o.np is None:
+            parser.error("elastic mode needs -np or --min-np")
+        o.min_np = o.min_np or o.np
+        if o.max_np is not None and o.max_np < o.min_np:
+            parser.error(f"--max-np {o.max_np} is less than --min-np {o.min_np}")
+        if o.blacklist_cooldown_range and \
+                o.blacklist_cooldown_range[0] > o.blacklist_cooldown_range[1]:
+            parser.error("--blacklist-cooldown-range: MIN is larger than MAX")
+        if o.host_discovery_script:
+            if o.hosts or o.hostfile:
+                parser.error("--host-discovery-script and -H/--hostfile contradict")
+            o.host_list, o.slots = [], []
+            return o
     try:
         if o.hosts:
             o.host_list = hostlib.parse_hosts(o.hosts)
@@ -152,7 +190,7 @@ def parse(argv=None) -> argparse.Namespace:
             o.host_list = [("localhost", o.np)]
         if o.np is None:
             o.np = sum(s for _, s in o.host_list)
-        o.slots = hostlib.assign(o.host_list, o.np)
+        o.slots = [] if o.elastic else hostlib.assign(o.host_list, o.np)
     except hostlib.HostError as exc:
         parser.error(str(exc))
     return o

@@ -182,6 +182,9 @@ def main(argv=None) -> int:
         _say(f"note: HOROVOD_TIMELINE={o.timeline_filename} is passed on, but this version of "
              f"horovod_ext writes no timeline")
     try:
+        if o.elastic:
+            from .elastic import ElasticDriver
+            return ElasticDriver(o, _base_env(o), AGENT).run()
         return run_mpi(o) if o.mpi else run_gloo(o)
     except (LaunchError, remote.Unreachable, mpi.MPIError) as exc:
         _say(str(exc))

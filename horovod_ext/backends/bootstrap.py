@@ -32,6 +32,8 @@ def _int(env, name):
 
 
 def detect_launch(env: Mapping[str, str] = os.environ) -> Launch:
+    if "HOROVOD_ELASTIC_DRIVER" in env:   # rank and size come from the driver at each init
+        return Launch("elastic", -1, -1)
     for rank_var, size_var in _MPI_VARS:
         if rank_var in env and size_var in env:
             return Launch("mpirun", _int(env, rank_var), _int(env, size_var))
@@ -72,7 +74,8 @@ def notify_launcher(stage: str, rank: int, env: Mapping[str, str] = os.environ):
 def create_world(transport: str, timeout: float, use_nccl: bool,
                  env: Mapping[str, str] = os.environ, mpi_comm=None) -> Communicator:
     """The communicator over every process of this job, for ``transport`` "mpi" or "gloo"."""
-    notify_launcher("start", detect_launch(env).rank, env)
+    if detect_launch(env).kind != "elastic":
+        notify_launcher("start", detect_launch(env).rank, env)
     world = _create_world(transport, timeout, use_nccl, env, mpi_comm)
     notify_launcher("ready", world.rank, env)
     return world
@@ -81,6 +84,9 @@ def create_world(transport: str, timeout: float, use_nccl: bool,
 def _create_world(transport, timeout, use_nccl, env, mpi_comm) -> Communicator:
     launch = detect_launch(env)
     if transport == "mpi":
+        if launch.kind == "elastic":
+            raise RuntimeError("elastic training runs over Gloo only: set "
+                               "HOROVOD_CPU_OPERATIONS=gloo (hvdrun's elastic mode does)")
         from .mpi import MPICommunicator
         if mpi_comm is not None:
             return MPICommunicator(mpi_comm.Dup(), timeout)
@@ -105,7 +111,10 @@ def _create_gloo_world(launch: Launch, timeout: float, use_nccl: bool, env, mpi_
     delta = datetime.timedelta(seconds=timeout)
     if dist.is_initialized():  # the user set up torch.distributed already: use it
         return TorchCommunicator.world(use_nccl, delta)
-    if launch.kind == "torchrun":
+    if launch.kind == "elastic":
+        store, rank, size = _join_elastic(env, delta)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=delta)
+    elif launch.kind == "torchrun":
         dist.init_process_group("gloo", init_method="env://", timeout=delta)
     elif launch.kind == "single":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
@@ -144,6 +153,61 @@ def _rendezvous_store(addr: str, port: int, rank: int, size: int, timeout):
         store.set_timeout(timeout)
     generation = (store.add("horovod_ext/inits", 1) - 1) // size
     return dist.PrefixStore(f"horovod_ext/init{generation}/", store)
+
+
+@dataclass
+class ElasticMembership:
+    """This worker's place in the current generation of an elastic job (set by each init)."""
+    generation: int
+    rank: int
+    size: int
+    hosts_updates: int        # the driver's count of host changes when this generation formed
+    store: object             # the driver's store (TCPStore client), unprefixed
+
+
+elastic_membership = None
+
+
+def _join_elastic(env, timeout):
+    """Ask the elastic driver (hvdrun, HOROVOD_ELASTIC_DRIVER=ADDR:PORT) for this worker's rank
+    and size in the next generation; waits while the driver gathers the workers (at most
+    HOROVOD_ELASTIC_TIMEOUT seconds).  Returns (store under the generation's prefix, rank,
+    size)."""
+    import torch.distributed as dist
+    global elastic_membership
+    addr, _, port = env["HOROVOD_ELASTIC_DRIVER"].rpartition(":")
+    wait = float(env.get("HOROVOD_ELASTIC_TIMEOUT", "600")) + 60.0
+    line = f"join {env.get('HOROVOD_ELASTIC_WORKER', '?')} {hostname(env)}\n"
+    try:
+        with socket.create_connection((addr, int(port)), timeout=10.0) as conn:
+            conn.sendall(line.encode())
+            conn.settimeout(wait)
+            reply = b""
+            while not reply.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+    except OSError as exc:
+        raise RuntimeError(f"cannot reach the elastic driver at {addr}:{port}: {exc}") from None
+    words = reply.decode(errors="replace").split()
+    if words and words[0] == "finished":
+        # The other workers have completed the job while this one waited to join: its part
+        # is done too.
+        import logging
+        logging.getLogger("horovod_ext").warning("elastic: the job finished before this "
+                                                 "worker joined it; exiting")
+        raise SystemExit(0)
+    if not words or words[0] != "member":
+        reason = " ".join(words[1:]) if words else "the driver closed the connection"
+        raise RuntimeError(f"the elastic driver did not admit this worker: {reason}")
+    generation, rank, size, updates, store_port = map(int, words[1:6])
+    key = (addr, store_port, "elastic")
+    store = _STORES.get(key)
+    if store is None:
+        store = _STORES[key] = dist.TCPStore(addr, store_port, None, False, timeout=timeout)
+    elastic_membership = ElasticMembership(generation, rank, size, updates, store)
+    return dist.PrefixStore(f"horovod_ext/elastic{generation}/", store), rank, size
 
 
 def _rendezvous_over_mpi(mpi_comm):

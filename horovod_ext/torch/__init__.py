@@ -34,6 +34,8 @@ from ..onebit_op import OneBit
 from slamb import SLAMB
 from ..backends.lamb import Lamb
 from ..randomk_op import RandomK
+from . import elastic
+from .elastic import HostsUpdatedInterrupt
 
 is_initialized = _runtime.is_initialized
 

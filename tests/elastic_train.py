@@ -1,0 +1,89 @@
+"""A worker program for the elastic tests: a model whose weights count how often each sample
+was trained on (Sum of one-hot gradients, SGD with lr 1), so that the final weights say whether
+every sample of every epoch was processed exactly once across failures and re-formings.
+
+    python tests/elastic_train.py OUT_DIR SAMPLES EPOCHS BATCH STEP_S [KILLS]
+
+STEP_S: seconds of compute each step stands for (a busy loop, so that a run lasts long enough for
+hosts to come and go).  KILLS: WORKER:EPOCH:BATCH[:WHERE],... - that worker (its
+HOROVOD_ELASTIC_WORKER id) kills itself with SIGKILL at that batch (-1: any epoch or batch):
+WHERE "step" (default) before the batch's step, "commit" inside the commit after it (saved, not
+yet checked for host changes), "reset" in its first reset callback.
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import horovod_ext.torch as hvd
+
+
+def main():
+    out, samples, epochs, batch = sys.argv[1], *map(int, sys.argv[2:5])
+    step_s = float(sys.argv[5])
+    kills = []
+    for spec in (sys.argv[6].split(",") if len(sys.argv) > 6 else []):
+        parts = spec.split(":")
+        kills.append((int(parts[0]), int(parts[1]), int(parts[2]),
+                      parts[3] if len(parts) > 3 else "step"))
+
+    def should_die(where, epoch=-1, index=-1):
+        return any(w == me and at == where and e in (-1, epoch) and b in (-1, index)
+                   for w, e, b, at in kills)
+    me = int(os.environ.get("HOROVOD_ELASTIC_WORKER", "0"))
+    hvd.init()
+    model = torch.nn.Linear(samples, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                         named_parameters=model.named_parameters(), op=hvd.Sum)
+    sampler = hvd.elastic.ElasticSampler(range(samples), shuffle=True, seed=1)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0,
+                                   sizes=[])
+    events = []
+
+    def on_reset():
+        if should_die("reset"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        events.append(("reset", time.time(), hvd.size()))
+
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            loader = torch.utils.data.DataLoader(range(samples), batch_size=batch,
+                                                 sampler=state.sampler)
+            for index, idx in enumerate(loader):
+                if should_die("step", state.epoch, index):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                until = time.perf_counter() + step_s
+                while time.perf_counter() < until:
+                    pass
+                optimizer.zero_grad()
+                # d(-sum w[idx])/dw = -onehot counts; SGD with lr 1 adds them, Sum over ranks
+                loss = -model.weight[0, idx].sum()
+                loss.backward()
+                optimizer.step()
+                events.append(("step", time.time(), hvd.size()))
+                state.sampler.record_batch(index, batch)
+                state.sizes.append(hvd.size())
+                if should_die("commit", state.epoch, index):
+                    state.save()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                state.commit()
+            state.sampler.set_epoch(state.epoch + 1)
+            state.commit()
+
+    train(state)
+    if hvd.rank() == 0:
+        with open(os.path.join(out, "result.json"), "w") as f:
+            json.dump({"counts": model.weight[0].tolist(), "sizes": state.sizes}, f)
+    with open(os.path.join(out, f"events.{me}.json"), "w") as f:
+        json.dump(events, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Elastic training under hvdrun's elastic mode: real worker processes on this host posing as
+separate hosts (127.0.0.x, each its own HOROVOD_HOSTNAME), killed with SIGKILL at chosen points.
+The training program (tests/elastic_train.py) counts in its weights how often each sample was
+trained on, so every test checks that each sample of each epoch was processed exactly once."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HVDRUN = os.path.join(os.path.dirname(sys.executable), "hvdrun")
+TRAIN = os.path.join(REPO, "tests", "elastic_train.py")
+# 288 samples, 12 per batch: 48 or 36 a step at 4 or 3 workers, so what is left of an epoch
+# always divides by 2, 3 and 4 and the sampler never pads.
+SAMPLES, BATCH = 288, 12
+
+
+def elastic_run(tmp_path, hosts, flags, epochs, step_s, kills="", timeout=150):
+    (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in hosts))
+    cmd = [HVDRUN, *flags, "--host-discovery-script", f"cat {tmp_path / 'hosts'}",
+           sys.executable, TRAIN, str(tmp_path), str(SAMPLES), str(epochs), str(BATCH),
+           str(step_s)] + ([kills] if kills else [])
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return proc, time.monotonic() - started
+
+
+def result(tmp_path):
+    with open(tmp_path / "result.json") as f:
+        return json.load(f)
+
+
+def assert_each_sample_once_per_epoch(tmp_path, epochs, proc):
+    counts = result(tmp_path)["counts"]
+    assert counts == [float(epochs)] * SAMPLES, (sorted(set(counts)), proc.stderr[-3000:])
+
+
+def phases(sizes):
+    """The run's sizes with repeats folded: [4, 4, 3, 3, 4] -> [4, 3, 4]."""
+    return [s for i, s in enumerate(sizes) if i == 0 or sizes[i - 1] != s]
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_is_dropped_and_its_host_comes_back(tmp_path):
+    hosts = [f"127.0.0.{i}:1" for i in range(1, 5)]
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "4", "--min-np", "3", "--max-np", "4",
+                                            "--blacklist-cooldown-range", "1", "2"],
+                          epochs=5, step_s=0.1, kills="2:0:2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 2 (host 127.0.0.3) was killed by signal 9" in proc.stderr
+    assert_each_sample_once_per_epoch(tmp_path, 5, proc)
+    assert phases(result(tmp_path)["sizes"]) == [4, 3, 4], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_rank_0_dies_and_its_host_comes_back(tmp_path):
+    """The worker of the first host (rank 0) dies; a fresh worker there later must not become
+    rank 0 and hand its untrained state to the others."""
+    hosts = [f"127.0.0.{i}:1" for i in range(1, 4)]
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "3", "--min-np", "2",
+                                            "--blacklist-cooldown-range", "1", "1.5"],
+                          epochs=5, step_s=0.1, kills="0:0:2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_each_sample_once_per_epoch(tmp_path, 5, proc)
+    assert phases(result(tmp_path)["sizes"]) == [3, 2, 3], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_whole_host_dies_and_a_returning_worker_fails_again(tmp_path):
+    """Both workers of the second host die at the same batch; when the host comes back, the
+    first worker started there dies at its first step; the job still completes."""
+    hosts = ["127.0.0.1:2", "127.0.0.2:2"]
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "4", "--min-np", "2",
+                                            "--blacklist-cooldown-range", "1", "1.5"],
+                          epochs=5, step_s=0.1, kills="2:0:2,3:0:2,4:-1:-1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 4 (host 127.0.0.2) was killed by signal 9" in proc.stderr, proc.stderr[-3000:]
+    assert_each_sample_once_per_epoch(tmp_path, 5, proc)
+    assert phases(result(tmp_path)["sizes"])[:2] == [4, 2]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["commit", "reset"])
+def test_failure_inside_commit_or_reset(tmp_path, where):
+    """A worker dies inside commit() (after saving, before the host check), or inside the
+    re-forming that follows another worker's death."""
+    hosts = [f"127.0.0.{i}:1" for i in range(1, 5)]
+    kills = "1:0:2:commit" if where == "commit" else "3:0:2,1:-1:-1:reset"
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "4", "--min-np", "2"],
+                          epochs=3, step_s=0.02, kills=kills)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 1 (host 127.0.0.2) was killed by signal 9" in proc.stderr
+    assert_each_sample_once_per_epoch(tmp_path, 3, proc)
+    assert phases(result(tmp_path)["sizes"])[-1] == (3 if where == "commit" else 2)
+
+
+@pytest.mark.timeout(120)
+def test_fewer_than_min_np_ends_the_job_with_the_reason(tmp_path):
+    hosts = ["127.0.0.1:1", "127.0.0.2:1"]
+    proc, seconds = elastic_run(tmp_path, hosts, ["-np", "2", "--min-np", "2",
+                                                  "--elastic-timeout", "2"],
+                                epochs=50, step_s=0.02, kills="1:0:2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "fewer than --min-np 2" in proc.stderr, proc.stderr[-3000:]
+    assert seconds < 60
+
+
+@pytest.mark.timeout(60)
+def test_elastic_needs_gloo():
+    proc = subprocess.run([HVDRUN, "--mpi", "-np", "2", "--min-np", "2", sys.executable, "-c",
+                           "pass"], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert "runs over Gloo, not mpirun" in proc.stderr
