@@ -382,6 +382,11 @@ class Engine:
     def running(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The communication failure that stopped this engine, if one did."""
+        return self._fatal
+
     # --- the background thread ----------------------------------------------------------------
     def _run(self):
         while True:

@@ -7,6 +7,7 @@ compressed allreduce per step.  Communication runs through the job's context
 every rank, or directly on an explicit ``topology``.
 """
 import itertools
+import weakref
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional
 
@@ -53,6 +54,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         # Step counter and stage, for the whole optimizer (saved in state_dict()["onebit"]).
         self.onebit_state = {"step": 0, "frozen": False, "freeze_at": None}
         self._saved_errors: Optional[list] = None
+        self._errors_topology = None   # weak reference: the topology the errors were made in
 
     # --- public inspection -----------------------------------------------------------------
     @property
@@ -152,6 +154,15 @@ class OnebitOptimizer(torch.optim.Optimizer):
         """Replace every flat momentum by its compressed average (one call per buffer)."""
         def run(topology):
             hier = self._hierarchical_on(topology)
+            made_in = self._errors_topology() if self._errors_topology is not None else None
+            if made_in is not topology:
+                # Another world (an elastic job re-formed, hvd.init() again): every rank's
+                # share of the server error belongs to the old ranks, and a worker error was
+                # made for the old average.  Both start again from zero.
+                if self._errors_topology is not None:
+                    for f in fused:
+                        f.errors.reset()
+                self._errors_topology = weakref.ref(topology)
             for f in fused:
                 lengths = f.lengths if per_layer_scales else None
                 if hier:

@@ -1,6 +1,8 @@
 """A worker program for the elastic tests: a model whose weights count how often each sample
 was trained on (Sum of one-hot gradients, SGD with lr 1), so that the final weights say whether
 every sample of every epoch was processed exactly once across failures and re-formings.
+ELASTIC_TEST_OPTIMIZER=onebit or slamb trains the same model with 1-bit Adam or SLAMB instead
+(the weights then count nothing; the run must still complete with the ranks in agreement).
 
     python tests/elastic_train.py OUT_DIR SAMPLES EPOCHS BATCH STEP_S [KILLS]
 
@@ -37,8 +39,15 @@ def main():
     hvd.init()
     model = torch.nn.Linear(samples, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                         named_parameters=model.named_parameters(), op=hvd.Sum)
+    kind = os.environ.get("ELASTIC_TEST_OPTIMIZER", "sgd")
+    if kind == "sgd":
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                             named_parameters=model.named_parameters(),
+                                             op=hvd.Sum)
+    elif kind == "onebit":   # past its warm-up after 2 steps: compressed from then on
+        optimizer = hvd.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    else:
+        optimizer = hvd.SLAMB(model.parameters(), lr=1e-2, ratio=0.25, sync_interval=3)
     sampler = hvd.elastic.ElasticSampler(range(samples), shuffle=True, seed=1)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0,
                                    sizes=[])
@@ -78,9 +87,14 @@ def main():
             state.commit()
 
     train(state)
+    if kind == "slamb":
+        optimizer.average_parameters()
+    # every rank's weights, to check that they agree
+    weights = hvd.allgather_object(model.weight[0].tolist())
     if hvd.rank() == 0:
         with open(os.path.join(out, "result.json"), "w") as f:
-            json.dump({"counts": model.weight[0].tolist(), "sizes": state.sizes}, f)
+            json.dump({"counts": model.weight[0].tolist(), "sizes": state.sizes,
+                       "agree": all(w == weights[0] for w in weights)}, f)
     with open(os.path.join(out, f"events.{me}.json"), "w") as f:
         json.dump(events, f)
 

@@ -3,6 +3,7 @@ separate hosts (127.0.0.x, each its own HOROVOD_HOSTNAME), killed with SIGKILL a
 The training program (tests/elastic_train.py) counts in its weights how often each sample was
 trained on, so every test checks that each sample of each epoch was processed exactly once."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,6 +96,23 @@ def test_failure_inside_commit_or_reset(tmp_path, where):
     assert "worker 1 (host 127.0.0.2) was killed by signal 9" in proc.stderr
     assert_each_sample_once_per_epoch(tmp_path, 3, proc)
     assert phases(result(tmp_path)["sizes"])[-1] == (3 if where == "commit" else 2)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("optimizer", ["onebit", "slamb"])
+def test_compressed_optimizers_go_on_at_the_new_size(tmp_path, optimizer, monkeypatch):
+    """1-bit Adam (its error feedback restarts from zero in the new world) and SLAMB (masks from
+    the step number, models averaged by the sync) keep training after a worker dies."""
+    monkeypatch.setenv("ELASTIC_TEST_OPTIMIZER", optimizer)
+    hosts = [f"127.0.0.{i}:1" for i in range(1, 5)]
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "4", "--min-np", "3"],
+                          epochs=2, step_s=0.02, kills="2:0:4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = result(tmp_path)
+    assert phases(done["sizes"]) == [4, 3]
+    assert done["agree"], "ranks ended with different models"
+    assert "generation 3" not in proc.stderr, "the new world failed and re-formed again"
+    assert all(math.isfinite(w) for w in done["counts"])
 
 
 @pytest.mark.timeout(120)

@@ -121,6 +121,12 @@ def _reform():
     hvd.init()
 
 
+def _engine_healthy() -> bool:
+    """Whether this rank's engine still runs: an error then came from an op, not a lost peer."""
+    engine = runtime.state.engine
+    return engine is not None and engine.running and engine.failure is None
+
+
 def run(func):
     """Decorator for ``train(state, ...)``: re-runs it after restoring ``state`` when a worker
     fails, and after re-forming when workers are added, until it returns."""
@@ -139,6 +145,8 @@ def run(func):
                     state.sync()
                 return func(state, *args, **kwargs)
             except (HorovodInternalError, CommunicationError) as exc:
+                if _engine_healthy():
+                    raise   # the op itself failed (bad input, a bug): re-forming cannot help
                 _log.warning("elastic: a worker failed (%s); restoring the last commit", exc)
                 state.restore()
                 sync = True
