@@ -1,0 +1,118 @@
+"""Elastic recovery and scale-up times under hvdrun's elastic mode, on this machine.
+
+    python benchmarks/elastic.py                  # 3 runs, 4 workers posing as 4 hosts
+    python benchmarks/elastic.py --runs 1 --out /tmp/elastic.json
+
+Each run starts 4 workers on hosts 127.0.0.1-4 (one slot each, a discovery script listing them,
+`--blacklist-cooldown-range C C`), trains a small model with `hvd.elastic.run`, committing after
+every step, and the worker of the third host kills itself with SIGKILL mid-epoch.  Measured:
+
+- recovery: from the kill to the first step of the 3 remaining workers (their failure seen, the
+  last commit restored, the job re-formed, the state synced);
+- scale-up: from the end of the host's cooldown (kill + C seconds) to the first step at 4
+  workers again (the host offered again, a worker started there and imported torch, the others
+  told at their next commit, the job re-formed).
+
+Prints a table and writes JSON (``--out``).
+"""
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _spawn  # noqa: E402  (benchmarks/ is not a package)
+
+HVDRUN = os.path.join(os.path.dirname(sys.executable), "hvdrun")
+
+
+def worker(out_dir: str, step_s: float, steps: int):
+    import torch
+    import horovod_ext.torch as hvd
+
+    me = int(os.environ["HOROVOD_ELASTIC_WORKER"])
+    hvd.init()
+    model = torch.nn.Linear(256, 10)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    log = open(os.path.join(out_dir, f"steps.{me}"), "a")
+
+    @hvd.elastic.run
+    def train(state):
+        x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
+        while state.step < steps:
+            if me == 2 and state.step == steps // 4:
+                with open(os.path.join(out_dir, "killed"), "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            until = time.perf_counter() + step_s     # the compute a real step would do
+            while time.perf_counter() < until:
+                pass
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            log.write(f"{time.time()!r} {hvd.size()}\n")
+            log.flush()
+            state.step += 1
+            state.commit()
+
+    train(state)
+
+
+def one_run(cooldown: float, step_s: float, steps: int):
+    with tempfile.TemporaryDirectory() as tmp:
+        hosts = os.path.join(tmp, "hosts")
+        with open(hosts, "w") as f:
+            f.write("".join(f"127.0.0.{i}:1\n" for i in range(1, 5)))
+        cmd = [HVDRUN, "-np", "4", "--min-np", "3", "--max-np", "4",
+               "--host-discovery-script", f"cat {hosts}",
+               "--blacklist-cooldown-range", str(cooldown), str(cooldown),
+               sys.executable, os.path.abspath(__file__), "--worker", tmp, str(step_s),
+               str(steps)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env=_spawn._clean_env({}), cwd=_spawn.REPO)
+        if proc.returncode != 0:
+            raise RuntimeError(f"elastic run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(os.path.join(tmp, "killed")) as f:
+            killed = float(f.read())
+        steps_seen = []
+        for name in os.listdir(tmp):
+            if name.startswith("steps."):
+                with open(os.path.join(tmp, name)) as f:
+                    steps_seen += [(float(t), int(n)) for t, n in map(str.split, f)]
+        after = sorted(s for s in steps_seen if s[0] > killed)
+        first3 = next(t for t, n in after if n == 3)
+        first4 = next(t for t, n in after if n == 4 and t > first3)
+        return {"recovery_s": first3 - killed, "scale_up_s": first4 - (killed + cooldown)}
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return worker(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+    p = _spawn.parser(__doc__, "elastic.json")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--cooldown", type=float, default=3.0, help="seconds a failed host is out")
+    p.add_argument("--step-ms", type=float, default=50.0, help="compute per step")
+    p.add_argument("--steps", type=int, default=300)
+    args = p.parse_args()
+    rows = []
+    print(f"{'run':>3} {'recovery s':>11} {'scale-up s':>11}", flush=True)
+    for run in range(args.runs):
+        row = {"run": run, **one_run(args.cooldown, args.step_ms / 1e3, args.steps)}
+        rows.append(row)
+        print(f"{run:>3} {row['recovery_s']:>11.2f} {row['scale_up_s']:>11.2f}", flush=True)
+    summary = {k: {"median": statistics.median(r[k] for r in rows),
+                   "min": min(r[k] for r in rows), "max": max(r[k] for r in rows)}
+               for k in ("recovery_s", "scale_up_s")}
+    print(f"median {summary['recovery_s']['median']:>8.2f} {summary['scale_up_s']['median']:>11.2f}")
+    _spawn.write_report(args.out, {"workers": 4, "cooldown_s": args.cooldown,
+                                   "step_ms": args.step_ms, "rows": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
