@@ -2,6 +2,7 @@
 
     python benchmarks/elastic.py                  # 3 runs, 4 workers posing as 4 hosts
     python benchmarks/elastic.py --runs 1 --out /tmp/elastic.json
+    python benchmarks/elastic.py --accuracy       # also the example with one failure and without
 
 Each run starts 4 workers on hosts 127.0.0.1-4 (one slot each, a discovery script listing them,
 `--blacklist-cooldown-range C C`), trains a small model with `hvd.elastic.run`, committing after
@@ -12,6 +13,10 @@ every step, and the worker of the third host kills itself with SIGKILL mid-epoch
 - scale-up: from the end of the host's cooldown (kill + C seconds) to the first step at 4
   workers again (the host offered again, a worker started there and imported torch, the others
   told at their next commit, the job re-formed).
+
+With --accuracy, examples/elastic_fashion_mnist.py is also trained twice on 2 workers, once
+uninterrupted and once with worker 1 killed a third of the way in (the job then finishes on one
+worker), and both test accuracies are recorded.
 
 Prints a table and writes JSON (``--out``).
 """
@@ -91,6 +96,22 @@ def one_run(cooldown: float, step_s: float, steps: int):
         return {"recovery_s": first3 - killed, "scale_up_s": first4 - (killed + cooldown)}
 
 
+def accuracy_run(kill_at: int, epochs: int, max_train: int) -> float:
+    """Test accuracy of examples/elastic_fashion_mnist.py on 2 workers (2 hosts), worker 1
+    killed at its step ``kill_at`` (0: no failure)."""
+    cmd = [HVDRUN, "-np", "2", "--min-np", "1", "-H", "127.0.0.1:1,127.0.0.2:1",
+           sys.executable, os.path.join(_spawn.REPO, "examples", "elastic_fashion_mnist.py"),
+           "--epochs", str(epochs), "--max-train", str(max_train)]
+    if kill_at:
+        cmd += ["--kill-worker", "1", "--kill-at-step", str(kill_at)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env=_spawn._clean_env({}), cwd=_spawn.REPO)
+    found = [line for line in proc.stdout.splitlines() if "test accuracy:" in line]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"example failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return float(found[-1].rsplit(":", 1)[1])
+
+
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         return worker(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
@@ -99,7 +120,23 @@ def main():
     p.add_argument("--cooldown", type=float, default=3.0, help="seconds a failed host is out")
     p.add_argument("--step-ms", type=float, default=50.0, help="compute per step")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--accuracy", action="store_true",
+                   help="also: the example's test accuracy with one failure and without")
+    p.add_argument("--epochs", type=int, default=2, help="for --accuracy")
+    p.add_argument("--max-train", type=int, default=20000, help="for --accuracy")
     args = p.parse_args()
+    report = {"workers": 4, "cooldown_s": args.cooldown, "step_ms": args.step_ms}
+    if args.accuracy:
+        # killed a third of the way into training (at 2 workers of 64 samples a step)
+        kill_at = args.epochs * args.max_train // (2 * 64) // 3
+        report["accuracy"] = {"epochs": args.epochs, "max_train": args.max_train,
+                              "kill_at_step": kill_at,
+                              "uninterrupted": accuracy_run(0, args.epochs, args.max_train),
+                              "one_failure": accuracy_run(kill_at, args.epochs, args.max_train)}
+        print(f"test accuracy, examples/elastic_fashion_mnist.py, 2 workers, {args.epochs} "
+              f"epochs of {args.max_train} samples: uninterrupted "
+              f"{report['accuracy']['uninterrupted']:.4f}, worker 1 killed at step {kill_at} "
+              f"{report['accuracy']['one_failure']:.4f}", flush=True)
     rows = []
     print(f"{'run':>3} {'recovery s':>11} {'scale-up s':>11}", flush=True)
     for run in range(args.runs):
@@ -110,8 +147,7 @@ def main():
                    "min": min(r[k] for r in rows), "max": max(r[k] for r in rows)}
                for k in ("recovery_s", "scale_up_s")}
     print(f"median {summary['recovery_s']['median']:>8.2f} {summary['scale_up_s']['median']:>11.2f}")
-    _spawn.write_report(args.out, {"workers": 4, "cooldown_s": args.cooldown,
-                                   "step_ms": args.step_ms, "rows": rows, "summary": summary})
+    _spawn.write_report(args.out, {**report, "rows": rows, "summary": summary})
 
 
 if __name__ == "__main__":
