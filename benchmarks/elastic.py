@@ -35,7 +35,7 @@ import _spawn  # noqa: E402  (benchmarks/ is not a package)
 HVDRUN = os.path.join(os.path.dirname(sys.executable), "hvdrun")
 
 
-def worker(out_dir: str, step_s: float, steps: int):
+def worker(out_dir: str, step_s: float, steps: int, kill: bool = True):
     import torch
     import horovod_ext.torch as hvd
 
@@ -51,7 +51,7 @@ def worker(out_dir: str, step_s: float, steps: int):
     def train(state):
         x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
         while state.step < steps:
-            if me == 2 and state.step == steps // 4:
+            if kill and me == 2 and state.step == steps // 4:
                 with open(os.path.join(out_dir, "killed"), "w") as f:
                     f.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -96,6 +96,48 @@ def one_run(cooldown: float, step_s: float, steps: int):
         return {"recovery_s": first3 - killed, "scale_up_s": first4 - (killed + cooldown)}
 
 
+def _read_steps(tmp):
+    seen = []
+    for name in os.listdir(tmp):
+        if name.startswith("steps."):
+            with open(os.path.join(tmp, name)) as f:
+                seen += [(float(t), int(n)) for t, n in map(str.split, f)]
+    return sorted(seen)
+
+
+def lab_run(comm_timeout: float, step_s: float, steps: int):
+    """2 emulated hosts x 2 workers at 1 Gbit/s; the second host's link is taken down mid-run.
+    Returns the seconds from the link going down to the first step of the 2 workers left, and
+    whether the job completed."""
+    nsrsh = os.path.join(_spawn.REPO, "tools", "nsrsh")
+    with _spawn.lab(2, "1gbit"), tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)
+        cmd = ["ip", "netns", "exec", "nl-0", "unshare", "--uts", "sh", "-c",
+               'hostname nl-0; exec "$@"', "sh", HVDRUN, "-np", "4", "--min-np", "2",
+               "-H", "10.200.0.1:2,10.200.0.2:2", "--ssh-command", nsrsh,
+               sys.executable, os.path.abspath(__file__), "--worker", tmp, str(step_s),
+               str(steps), "no-kill"]
+        env = _spawn._clean_env({"HOROVOD_COMM_TIMEOUT_SECONDS": f"{comm_timeout:g}"})
+        proc = subprocess.Popen(cmd, env=env, cwd=_spawn.REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while len([s for s in _read_steps(tmp) if s[1] == 4]) < steps // 4:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the lab job did not get going:\n{proc.stdout.read()[-3000:]}")
+            time.sleep(0.2)     # polling the workers' progress files
+        down = time.time()
+        subprocess.run(["ip", "netns", "exec", "nl-1", "ip", "link", "set", "eth0", "down"],
+                       check=True)
+        output, _ = proc.communicate(timeout=600)
+        after = [t for t, n in _read_steps(tmp) if t > down and n == 2]
+        return {"detect_and_recover_s": (after[0] - down) if after else None,
+                "completed": proc.returncode == 0 and len(after) > 0,
+                "exit_status": proc.returncode, "comm_timeout_s": comm_timeout,
+                "driver_lines": [line for line in output.splitlines()
+                                 if line.startswith("hvdrun:")]}
+
+
 def accuracy_run(kill_at: int, epochs: int, max_train: int) -> float:
     """Test accuracy of examples/elastic_fashion_mnist.py on 2 workers (2 hosts), worker 1
     killed at its step ``kill_at`` (0: no failure)."""
@@ -114,7 +156,8 @@ def accuracy_run(kill_at: int, epochs: int, max_train: int) -> float:
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return worker(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+        return worker(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]),
+                      kill=len(sys.argv) < 6)
     p = _spawn.parser(__doc__, "elastic.json")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--cooldown", type=float, default=3.0, help="seconds a failed host is out")
@@ -124,8 +167,24 @@ def main():
                    help="also: the example's test accuracy with one failure and without")
     p.add_argument("--epochs", type=int, default=2, help="for --accuracy")
     p.add_argument("--max-train", type=int, default=20000, help="for --accuracy")
+    p.add_argument("--lab", action="store_true",
+                   help="also: a host's link taken down on 2 emulated hosts (needs root)")
+    p.add_argument("--lab-only", action="store_true", help="only the --lab run")
+    p.add_argument("--comm-timeout", type=float, default=10.0,
+                   help="HOROVOD_COMM_TIMEOUT_SECONDS for --lab")
     args = p.parse_args()
     report = {"workers": 4, "cooldown_s": args.cooldown, "step_ms": args.step_ms}
+    if args.lab or args.lab_only:
+        report["lab"] = lab_run(args.comm_timeout, args.step_ms / 1e3, args.steps)
+        lab = report["lab"]
+        print(f"lab: link of host 2 down; the 2 workers left took their first step "
+              f"{lab['detect_and_recover_s']} s later (HOROVOD_COMM_TIMEOUT_SECONDS "
+              f"{args.comm_timeout:g}); completed: {lab['completed']}", flush=True)
+        for line in lab["driver_lines"]:
+            print("   ", line)
+        if args.lab_only:
+            _spawn.write_report(args.out, report)
+            return
     if args.accuracy:
         # killed a third of the way into training (at 2 workers of 64 samples a step)
         kill_at = args.epochs * args.max_train // (2 * 64) // 3

@@ -132,3 +132,19 @@ def test_elastic_needs_gloo():
                            "pass"], capture_output=True, text=True, timeout=50)
     assert proc.returncode == 2
     assert "runs over Gloo, not mpirun" in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
+    """torchrun's restart-based elasticity: a rank dies, torchrun starts every worker again,
+    they resume from the checkpoint; each sample is trained on once per epoch in the end."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    proc = subprocess.run([torchrun, "--standalone", "--nnodes=1:1", "--nproc_per_node=2",
+                           "--max-restarts=1", os.path.join(REPO, "tests", "torchrun_restart.py"),
+                           str(tmp_path), "3"], capture_output=True, text=True, timeout=150,
+                          cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    done = result(tmp_path)
+    assert done["started_at"] == 1, "the restarted workers did not resume from the checkpoint"
+    assert done["counts"] == [3.0] * 64

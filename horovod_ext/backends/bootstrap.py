@@ -115,7 +115,12 @@ def _create_gloo_world(launch: Launch, timeout: float, use_nccl: bool, env, mpi_
         store, rank, size = _join_elastic(env, delta)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=delta)
     elif launch.kind == "torchrun":
-        dist.init_process_group("gloo", init_method="env://", timeout=delta)
+        store = _torchrun_store(env, launch, delta)
+        if store is None:
+            dist.init_process_group("gloo", init_method="env://", timeout=delta)
+        else:
+            dist.init_process_group("gloo", store=store, rank=launch.rank,
+                                    world_size=launch.size, timeout=delta)
     elif launch.kind == "single":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
     else:
@@ -153,6 +158,19 @@ def _rendezvous_store(addr: str, port: int, rank: int, size: int, timeout):
         store.set_timeout(timeout)
     generation = (store.add("horovod_ext/inits", 1) - 1) // size
     return dist.PrefixStore(f"horovod_ext/init{generation}/", store)
+
+
+def _torchrun_store(env, launch: Launch, timeout):
+    """Under torchrun's agent, its store with a prefix of its own per restart, or None (then
+    env:// as usual).  The agent's store outlives the workers it restarts, and torch's env://
+    rendezvous would read the addresses the workers of the last attempt left there."""
+    import torch.distributed as dist
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in env:
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launch.size, False,
+                          timeout=timeout)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"horovod_ext/torchrun/attempt{attempt}/", store)
 
 
 @dataclass
