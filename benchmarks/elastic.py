@@ -3,6 +3,7 @@
     python benchmarks/elastic.py                  # 3 runs, 4 workers posing as 4 hosts
     python benchmarks/elastic.py --runs 1 --out /tmp/elastic.json
     python benchmarks/elastic.py --accuracy       # also the example with one failure and without
+    python benchmarks/elastic.py --lab-only       # a host's link taken down (root, network lab)
 
 Each run starts 4 workers on hosts 127.0.0.1-4 (one slot each, a discovery script listing them,
 `--blacklist-cooldown-range C C`), trains a small model with `hvd.elastic.run`, committing after
@@ -13,6 +14,10 @@ every step, and the worker of the third host kills itself with SIGKILL mid-epoch
 - scale-up: from the end of the host's cooldown (kill + C seconds) to the first step at 4
   workers again (the host offered again, a worker started there and imported torch, the others
   told at their next commit, the job re-formed).
+
+With --lab, 2 emulated hosts x 2 workers at 1 Gbit/s (tools/netlab.sh; needs root) train until
+the second host's link is taken down (``ip link set eth0 down`` in its namespace); measured: the
+time to the first step of the 2 workers left, against HOROVOD_COMM_TIMEOUT_SECONDS (--comm-timeout).
 
 With --accuracy, examples/elastic_fashion_mnist.py is also trained twice on 2 workers, once
 uninterrupted and once with worker 1 killed a third of the way in (the job then finishes on one
@@ -175,13 +180,15 @@ def main():
     args = p.parse_args()
     report = {"workers": 4, "cooldown_s": args.cooldown, "step_ms": args.step_ms}
     if args.lab or args.lab_only:
-        report["lab"] = lab_run(args.comm_timeout, args.step_ms / 1e3, args.steps)
-        lab = report["lab"]
-        print(f"lab: link of host 2 down; the 2 workers left took their first step "
-              f"{lab['detect_and_recover_s']} s later (HOROVOD_COMM_TIMEOUT_SECONDS "
-              f"{args.comm_timeout:g}); completed: {lab['completed']}", flush=True)
-        for line in lab["driver_lines"]:
-            print("   ", line)
+        report["lab"] = []
+        for _ in range(args.runs):
+            lab = lab_run(args.comm_timeout, args.step_ms / 1e3, args.steps)
+            report["lab"].append(lab)
+            print(f"lab: link of host 2 down; the 2 workers left took their first step "
+                  f"{lab['detect_and_recover_s']:.2f} s later (HOROVOD_COMM_TIMEOUT_SECONDS "
+                  f"{args.comm_timeout:g}); completed: {lab['completed']}", flush=True)
+            for line in lab["driver_lines"]:
+                print("   ", line)
         if args.lab_only:
             _spawn.write_report(args.out, report)
             return

@@ -116,6 +116,7 @@ class ElasticDriver:
         self.listener.listen(256)
         threading.Thread(target=self._accept, daemon=True).start()
         self.workers: List[Worker] = []
+        self._interfaces: Dict[str, Optional[str]] = {}
         self.blacklist = _Blacklist(o.blacklist_cooldown_range)
         self.generation = 0
         self.finishing = False           # a worker has exited 0: no more new workers
@@ -159,6 +160,9 @@ class ElasticDriver:
                    HOROVOD_ELASTIC="1", HOROVOD_ELASTIC_WORKER=str(wid),
                    HOROVOD_ELASTIC_DRIVER=f"{self.address}:{self.listener.getsockname()[1]}",
                    HOROVOD_ELASTIC_TIMEOUT=f"{self.o.elastic_timeout:g}")
+        iface = self._gloo_interface(host)
+        if iface:
+            env.update(GLOO_SOCKET_IFNAME=iface, HOROVOD_GLOO_IFACE=iface)
         name = f"worker {wid} (host {host})"
         if hostlib.is_local(host, netinfo.ipv4_addresses()):
             worker.proc = self.sup.start(name, [sys.executable, "-I", self.agent_path]
@@ -172,6 +176,21 @@ class ElasticDriver:
         self.workers.append(worker)
         if self.o.verbose:
             self._say(f"started {name}")
+
+    def _gloo_interface(self, host: str) -> Optional[str]:
+        """The interface ``host``'s workers give Gloo: the one nearest the driver's address
+        (asked of the host once, as hvdrun's fixed mode does), unless --network-interfaces or
+        GLOO_SOCKET_IFNAME sets it; None on a job of this machine alone."""
+        if not self.remote_ok or self.o.interfaces or "GLOO_SOCKET_IFNAME" in os.environ:
+            return None
+        if host not in self._interfaces:
+            if hostlib.is_local(host, netinfo.ipv4_addresses()):
+                found = netinfo.interfaces()
+            else:
+                found = remote.check_hosts(remote.ssh_prefix(self.o), [host], [],
+                                           self.o.start_timeout)[host][1]
+            self._interfaces[host] = netinfo.nearest_interface(found, self.address)
+        return self._interfaces[host]
 
     def _live(self) -> List[Worker]:
         return [w for w in self.workers if w.status == "running"]
