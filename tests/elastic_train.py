@@ -1,7 +1,8 @@
 """A worker program for the elastic tests: a model whose weights count how often each sample
 was trained on (Sum of one-hot gradients, SGD with lr 1), so that the final weights say whether
 every sample of every epoch was processed exactly once across failures and re-formings.
-ELASTIC_TEST_OPTIMIZER=onebit or slamb trains the same model with 1-bit Adam or SLAMB instead
+ELASTIC_TEST_OPTIMIZER=adasum, onebit or slamb trains the same model with Adasum, 1-bit Adam or
+SLAMB instead
 (the weights then count nothing; the run must still complete with the ranks in agreement).
 
     python tests/elastic_train.py OUT_DIR SAMPLES EPOCHS BATCH STEP_S [KILLS]
@@ -44,6 +45,10 @@ def main():
         optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
                                              named_parameters=model.named_parameters(),
                                              op=hvd.Sum)
+    elif kind == "adasum":
+        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             named_parameters=model.named_parameters(),
+                                             op=hvd.Adasum)
     elif kind == "onebit":   # past its warm-up after 2 steps: compressed from then on
         optimizer = hvd.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
     else:

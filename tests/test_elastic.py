@@ -99,10 +99,11 @@ def test_failure_inside_commit_or_reset(tmp_path, where):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("optimizer", ["onebit", "slamb"])
-def test_compressed_optimizers_go_on_at_the_new_size(tmp_path, optimizer, monkeypatch):
-    """1-bit Adam (its error feedback restarts from zero in the new world) and SLAMB (masks from
-    the step number, models averaged by the sync) keep training after a worker dies."""
+@pytest.mark.parametrize("optimizer", ["adasum", "onebit", "slamb"])
+def test_other_ops_go_on_at_the_new_size(tmp_path, optimizer, monkeypatch):
+    """Adasum (3 ranks after 4), 1-bit Adam (its error feedback restarts from zero in the new
+    world) and SLAMB (masks from the step number, models averaged by the sync) keep training
+    after a worker dies."""
     monkeypatch.setenv("ELASTIC_TEST_OPTIMIZER", optimizer)
     hosts = [f"127.0.0.{i}:1" for i in range(1, 5)]
     proc, _ = elastic_run(tmp_path, hosts, ["-np", "4", "--min-np", "3"],

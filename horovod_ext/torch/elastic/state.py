@@ -147,6 +147,10 @@ def run(func):
             except (HorovodInternalError, CommunicationError) as exc:
                 if _engine_healthy():
                     raise   # the op itself failed (bad input, a bug): re-forming cannot help
+                if bootstrap.elastic_membership is None:
+                    # Not started by hvdrun's elastic mode: nobody to re-form with (under
+                    # torchrun, its restart of every worker takes over from here).
+                    raise
                 _log.warning("elastic: a worker failed (%s); restoring the last commit", exc)
                 state.restore()
                 sync = True
