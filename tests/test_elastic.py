@@ -149,3 +149,30 @@ def test_torchrun_restarts_resume_from_the_checkpoint(tmp_path):
     done = result(tmp_path)
     assert done["started_at"] == 1, "the restarted workers did not resume from the checkpoint"
     assert done["counts"] == [3.0] * 64
+
+
+@pytest.mark.timeout(120)
+def test_reset_limit_ends_the_job(tmp_path):
+    hosts = [f"127.0.0.{i}:1" for i in range(1, 4)]
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "3", "--min-np", "1", "--reset-limit", "0"],
+                          epochs=5, step_s=0.02, kills="1:0:2")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "more than --reset-limit 0 times" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_sampler_splits_what_is_left_and_records_every_rank():
+    """ElasticSampler alone (one process, as before hvd.init()): rank r of n takes every n-th
+    position of what is left; record_batch marks the batch of every rank; set_epoch starts
+    over; the state round-trips."""
+    import horovod_ext.torch as hvd
+    sampler = hvd.elastic.ElasticSampler(range(10), shuffle=False)
+    sampler.processed[[0, 4]] = True
+    sampler.reset(3, 1)                  # as rank 1 of 3: [1, 2, 3, 5, 6, 7, 8, 9, 1] by 3
+    assert list(sampler) == [2, 6, 9]
+    sampler.record_batch(0, 2)           # positions 0..5 of every rank's list: 6 samples
+    assert sampler.processed.nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    state = sampler.state_dict()
+    sampler.set_epoch(1)
+    assert sampler.get_processed_count() == 0 and list(sampler) == list(range(10))
+    sampler.load_state_dict(state)       # one process: rank 0 of 1
+    assert list(sampler) == [8, 9] and sampler.epoch == 0

@@ -9,7 +9,7 @@ is left does not divide by the number of workers, the first few are repeated to 
 positions (at most ``size - 1`` repeats per split); ``record_batch`` counts them once.
 """
 import math
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -29,11 +29,12 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.processed.zero_()
         self.reset()
 
-    def reset(self):
+    def reset(self, num_replicas: Optional[int] = None, rank: Optional[int] = None):
         """Split what is left of the epoch over the current workers (called after re-forming
-        and by ``load_state_dict``)."""
-        self.num_replicas = runtime.topology().size if runtime.is_initialized() else 1
-        self.rank = runtime.topology().rank if runtime.is_initialized() else 0
+        and by ``load_state_dict``); ``num_replicas`` and ``rank`` default to the job's."""
+        up = runtime.is_initialized()
+        self.num_replicas = num_replicas or (runtime.topology().size if up else 1)
+        self.rank = rank if rank is not None else (runtime.topology().rank if up else 0)
         if self.shuffle:
             order = torch.randperm(len(self.dataset),
                                    generator=torch.Generator().manual_seed(self.seed + self.epoch))
