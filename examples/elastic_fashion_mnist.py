@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import horovod_ext.torch as hvd  # noqa: E402
-from fashion_mnist import DEFAULT_DIR, Net, Progress, evaluate, load_data  # noqa: E402
+from fashion_mnist import DEFAULT_DIR, Net, Progress, evaluate, prepare  # noqa: E402
 
 
 def main(argv=None):
@@ -36,13 +36,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     hvd.init()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
-    torch.manual_seed(args.seed)
-    tx, ty, vx, vy, what = load_data(args.data_dir)
-    if args.max_train:
-        tx, ty = tx[:args.max_train], ty[:args.max_train]
-    if hvd.rank() == 0:
-        print(f"data: {what}; {len(ty)} training and {len(vy)} test samples", flush=True)
+    tx, ty, vx, vy = prepare(args, f"{hvd.size()} workers to start with")
     me = int(os.environ.get("HOROVOD_ELASTIC_WORKER", "0"))
 
     model = Net()

@@ -108,6 +108,19 @@ def evaluate(model, x, y, batch):
     return totals[0].item() / totals[1].item()
 
 
+def prepare(args, about: str):
+    """After hvd.init(): threads, seed and the data (train x, y, test x, y), said by rank 0."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    torch.manual_seed(args.seed)
+    tx, ty, vx, vy, what = load_data(args.data_dir)
+    if args.max_train:
+        tx, ty = tx[:args.max_train], ty[:args.max_train]
+    if hvd.rank() == 0:
+        print(f"data: {what}; {len(ty)} training and {len(vy)} test samples; {about}",
+              flush=True)
+    return tx, ty, vx, vy
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=1)
@@ -121,14 +134,7 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     hvd.init()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
-    torch.manual_seed(args.seed)
-    tx, ty, vx, vy, what = load_data(args.data_dir)
-    if args.max_train:
-        tx, ty = tx[:args.max_train], ty[:args.max_train]
-    if hvd.rank() == 0:
-        print(f"data: {what}; {len(ty)} training and {len(vy)} test samples; "
-              f"{hvd.size()} ranks; op {args.op}", flush=True)
+    tx, ty, vx, vy = prepare(args, f"{hvd.size()} ranks; op {args.op}")
 
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size() ** 0.5)
