@@ -74,6 +74,7 @@ class Worker:
     proc: object = None
     status: str = "running"            # running, done, failed
     rank: Optional[int] = None         # in the last generation it was part of
+    leaving: bool = False              # its slot is no longer offered: out at the next forming
     conn: Optional[socket.socket] = None   # its join, waiting for the next generation
 
 
@@ -213,10 +214,30 @@ class ElasticDriver:
         return started
 
     # --- generations ------------------------------------------------------------------------
+    def _mark_leaving(self, offered: List[Tuple[str, int]]) -> int:
+        """Workers whose host or slot the discovery script no longer offers leave at the next
+        re-forming (told the job is over for them: they exit 0); how many were marked."""
+        slots = dict(offered)
+        marked = 0
+        for w in self._live():
+            if not w.leaving and w.slot >= slots.get(w.host, 0):
+                w.leaving = True
+                marked += 1
+                self._say(f"host {w.host} slot {w.slot} is no longer offered: worker {w.wid} "
+                          f"leaves at the next re-forming")
+        return marked
+
     def _try_form(self):
         live = self._live()
-        if not live or any(w.conn is None for w in live) or len(live) < self.o.min_np:
+        if not live or any(w.conn is None for w in live):
             return
+        staying = [w for w in live if not w.leaving]
+        if len(staying) < self.o.min_np:
+            return
+        for w in live:
+            if w.leaving:
+                self._dismiss(w, "its host is no longer offered")
+        live = staying
         order = {}
         for w in self.workers:
             order.setdefault(w.host, len(order))
@@ -243,9 +264,9 @@ class ElasticDriver:
         self._say(f"generation {self.generation}: {len(members)} workers on "
                   f"{', '.join(dict.fromkeys(w.host for w in members))}")
 
-    def _dismiss(self, worker: Worker):
+    def _dismiss(self, worker: Worker, why: str = "the job has finished"):
         try:
-            worker.conn.sendall(b"finished the job has finished\n")
+            worker.conn.sendall(f"finished {why}\n".encode())
         except OSError:
             pass
         worker.conn.close()
@@ -259,8 +280,8 @@ class ElasticDriver:
             worker.conn.close()
             worker.conn = None
         if code == 0:
-            worker.status = "done"
-            self.finishing = True
+            worker.status = "left" if worker.leaving else "done"
+            self.finishing = self.finishing or not worker.leaving
             return
         worker.status = "failed"
         how_long = self.blacklist.add(worker.host)
@@ -340,7 +361,9 @@ class ElasticDriver:
                 return 0
             if now >= next_discovery:
                 next_discovery = now + DISCOVERY_PERIOD_S
-                if self._fill(discover(self.o)) and self.generation > 0:
+                offered = discover(self.o)
+                changed = self._mark_leaving(offered) + self._fill(offered)
+                if changed and self.generation > 0:
                     self.store.add(UPDATES_KEY, 1)
             self._check_enough(now)
             self._try_form()

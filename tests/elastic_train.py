@@ -11,7 +11,8 @@ STEP_S: seconds of compute each step stands for (a busy loop, so that a run last
 hosts to come and go).  KILLS: WORKER:EPOCH:BATCH[:WHERE],... - that worker (its
 HOROVOD_ELASTIC_WORKER id) kills itself with SIGKILL at that batch (-1: any epoch or batch):
 WHERE "step" (default) before the batch's step, "commit" inside the commit after it (saved, not
-yet checked for host changes), "reset" in its first reset callback.
+yet checked for host changes), "reset" in its first reset callback; or "drop": instead of dying,
+that worker removes the last host from OUT_DIR/hosts (the discovery script's list).
 """
 import json
 import os
@@ -57,6 +58,7 @@ def main():
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0,
                                    sizes=[])
     events = []
+    dropped = []      # the "drop" action happens once
 
     def on_reset():
         if should_die("reset"):
@@ -73,6 +75,14 @@ def main():
             for index, idx in enumerate(loader):
                 if should_die("step", state.epoch, index):
                     os.kill(os.getpid(), signal.SIGKILL)
+                if should_die("drop", state.epoch, index) and not dropped:
+                    dropped.append(True)
+                    hosts = os.path.join(out, "hosts")
+                    with open(hosts) as f:
+                        lines = f.read().splitlines()
+                    with open(hosts + ".tmp", "w") as f:
+                        f.write("".join(line + "\n" for line in lines[:-1]))
+                    os.replace(hosts + ".tmp", hosts)
                 until = time.perf_counter() + step_s
                 while time.perf_counter() < until:
                     pass

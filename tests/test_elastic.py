@@ -70,6 +70,20 @@ def test_rank_0_dies_and_its_host_comes_back(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_a_host_no_longer_offered_leaves_without_losing_work(tmp_path):
+    """The discovery script stops listing the third host: its worker is told at the next
+    re-forming that the job is over for it and exits 0; nothing is lost or repeated."""
+    hosts = [f"127.0.0.{i}:1" for i in range(1, 4)]
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "3", "--min-np", "2"],
+                          epochs=4, step_s=0.1, kills="0:0:2:drop")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "host 127.0.0.3 slot 0 is no longer offered" in proc.stderr, proc.stderr[-3000:]
+    assert "killed" not in proc.stderr and "exited with code" not in proc.stderr
+    assert_each_sample_once_per_epoch(tmp_path, 4, proc)
+    assert phases(result(tmp_path)["sizes"]) == [3, 2], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
 def test_a_whole_host_dies_and_a_returning_worker_fails_again(tmp_path):
     """Both workers of the second host die at the same batch; when the host comes back, the
     first worker started there dies at its first step; the job still completes."""

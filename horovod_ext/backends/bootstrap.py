@@ -210,11 +210,11 @@ def _join_elastic(env, timeout):
         raise RuntimeError(f"cannot reach the elastic driver at {addr}:{port}: {exc}") from None
     words = reply.decode(errors="replace").split()
     if words and words[0] == "finished":
-        # The other workers have completed the job while this one waited to join: its part
-        # is done too.
+        # The job is over for this worker (the others have completed it, or its host is no
+        # longer offered): its part is done.
         import logging
-        logging.getLogger("horovod_ext").warning("elastic: the job finished before this "
-                                                 "worker joined it; exiting")
+        logging.getLogger("horovod_ext").warning("elastic: %s; this worker exits",
+                                                 " ".join(words[1:]))
         raise SystemExit(0)
     if not words or words[0] != "member":
         reason = " ".join(words[1:]) if words else "the driver closed the connection"
