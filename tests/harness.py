@@ -49,10 +49,35 @@ def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str]) -> L
     return cmd + list(argv)
 
 
-def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
-              args: Sequence = (), timeout: float = 90, hostnames: Optional[Sequence[str]] = None,
-              init: bool = True, expect_failure: bool = False, with_output: bool = False,
-              settle_on: Sequence[int] = ()):
+# mpirun itself now and then fails to start here before any rank runs; such a launch (and only
+# such a one: no rank reported anything) is tried once more.
+_LAUNCHER_FAILURES = ("PMIx server's listener thread failed to start",)
+
+
+def _launcher_failed(failure: "RanksFailed") -> bool:
+    return (any(m in failure.output for m in _LAUNCHER_FAILURES)
+            and all(r is None for r in failure.results)
+            and all(e.startswith("no result") for e in failure.errors.values()))
+
+
+def run_ranks(fn, np: int, backend: str = "gloo", **kwargs):
+    """Per-rank return values of ``fn(*args)``: see ``_run_ranks_once``."""
+    try:
+        outcome = _run_ranks_once(fn, np, backend, **kwargs)
+    except RanksFailed as failure:
+        if not _launcher_failed(failure):
+            raise
+        return _run_ranks_once(fn, np, backend, **kwargs)
+    if isinstance(outcome, RanksFailed) and _launcher_failed(outcome):
+        return _run_ranks_once(fn, np, backend, **kwargs)
+    return outcome
+
+
+def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
+                    args: Sequence = (), timeout: float = 90,
+                    hostnames: Optional[Sequence[str]] = None, init: bool = True,
+                    expect_failure: bool = False, with_output: bool = False,
+                    settle_on: Sequence[int] = ()):
     """Per-rank return values of ``fn(*args)`` (with with_output, also the ranks' combined
     output); with expect_failure, the RanksFailed instead.  ``settle_on``: once these ranks
     have reported, the others are stopped (a test that freezes a rank on purpose need not wait
