@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import horovod_ext.torch as hvd  # noqa: E402
-from fashion_mnist import DEFAULT_DIR, Net, Progress, evaluate, prepare  # noqa: E402
+from fashion_mnist import DEFAULT_DIR, Net, Progress, finish, prepare  # noqa: E402
 
 
 def main(argv=None):
@@ -77,11 +77,7 @@ def main(argv=None):
             state.commit()
 
     train(state)
-    accuracy = evaluate(model, vx, vy, 256)
-    if hvd.rank() == 0:
-        print(f"test accuracy: {accuracy:.4f}", flush=True)
-    hvd.shutdown()
-    return accuracy
+    return finish(model, vx, vy)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,15 @@ def prepare(args, about: str):
     return tx, ty, vx, vy
 
 
+def finish(model, vx, vy) -> float:
+    """Test accuracy (said by rank 0), then hvd.shutdown()."""
+    accuracy = evaluate(model, vx, vy, 256)
+    if hvd.rank() == 0:
+        print(f"test accuracy: {accuracy:.4f}", flush=True)
+    hvd.shutdown()
+    return accuracy
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=1)
@@ -167,11 +176,7 @@ def main(argv=None):
         if args.checkpoint and hvd.rank() == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                         "epoch": epoch + 1}, args.checkpoint)
-    accuracy = evaluate(model, vx, vy, 256)
-    if hvd.rank() == 0:
-        print(f"test accuracy: {accuracy:.4f}", flush=True)
-    hvd.shutdown()
-    return accuracy
+    return finish(model, vx, vy)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,10 @@ from typing import Dict, List, Optional, Tuple
 from . import hosts as hostlib
 from . import netinfo, remote
 from .supervise import GRACE_S, Output, Supervisor, describe_exit
+from horovod_ext.backends.bootstrap import ELASTIC_UPDATES_KEY as UPDATES_KEY  # noqa: E402
 
 DISCOVERY_PERIOD_S = 1.0
 DISCOVERY_TIMEOUT_S = 10.0
-UPDATES_KEY = "horovod_ext/elastic/hosts_updates"
 
 
 class ElasticError(RuntimeError):

@@ -46,7 +46,6 @@ class ElasticSampler(torch.utils.data.Sampler):
         padded = self.remaining + self.remaining[:total - len(self.remaining)]
         # Rank r takes positions r, r + n, r + 2n, ...: position p of every rank's list lies
         # in one contiguous block of ``padded``, which record_batch marks for all ranks.
-        self._padded = padded
         self.indices = padded[self.rank:total:self.num_replicas]
 
     def record_batch(self, batch_idx: int, batch_size: int):

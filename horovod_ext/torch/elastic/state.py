@@ -35,12 +35,10 @@ def _hosts_updated() -> bool:
     """Whether the driver has changed the workers since this generation formed; the same answer
     on every rank (rank 0 asks the driver's store and tells the others)."""
     membership = bootstrap.elastic_membership
-    changed = False
-    if membership is not None and runtime.topology().rank == 0:
-        changed = membership.store.add("horovod_ext/elastic/hosts_updates", 0) \
-            > membership.hosts_updates
     if membership is None:
         return False
+    changed = (runtime.topology().rank == 0 and
+               membership.store.add(bootstrap.ELASTIC_UPDATES_KEY, 0) > membership.hosts_updates)
     return bool(mpi_ops.broadcast_object(changed, root_rank=0, name="elastic.hosts_updated"))
 
 
@@ -86,9 +84,9 @@ class ObjectState(State):
     reachable as ``state.epoch``; ``sync`` broadcasts them from rank 0."""
 
     def __init__(self, bcast_object=None, get_rank=None, **kwargs):
+        # get_rank is taken for Horovod's signature; rank 0 is always the one that sends
         super().__init__()
         self._bcast_object = bcast_object or mpi_ops.broadcast_object
-        self._get_rank = get_rank or (lambda: runtime.topology().rank)
         self._names = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)

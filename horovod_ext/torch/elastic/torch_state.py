@@ -4,7 +4,6 @@ import copy
 
 import torch
 
-from ... import runtime
 from ..functions import broadcast_optimizer_state, broadcast_parameters
 from ..mpi_ops import broadcast_object
 from .sampler import ElasticSampler
@@ -71,7 +70,3 @@ class TorchState(State):
         for name, sampler in self._samplers().items():
             sampler.load_state_dict(shared["samplers"][name])
         self.save()
-
-    @property
-    def rank(self) -> int:
-        return runtime.topology().rank
