@@ -56,7 +56,7 @@ def main(argv=None):
 
     @hvd.elastic.run
     def train(state):
-        for state.epoch in range(state.epoch, args.epochs):
+        while state.epoch < args.epochs:
             loader = torch.utils.data.DataLoader(range(len(ty)), batch_size=args.batch_size,
                                                  sampler=state.sampler)
             bar = Progress(len(loader), f"epoch {state.epoch + 1}/{args.epochs}",
@@ -73,7 +73,10 @@ def main(argv=None):
                 if (i + 1) % args.commit_every == 0:
                     state.commit()
                 bar.update(i + 1, loss.item(), (i + 1) * args.batch_size * hvd.size())
-            state.sampler.set_epoch(state.epoch + 1)
+            # epoch and sampler advance together before the commit: a re-forming there
+            # must not repeat the epoch
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
             state.commit()
 
     train(state)

@@ -69,7 +69,7 @@ def main():
 
     @hvd.elastic.run
     def train(state):
-        for state.epoch in range(state.epoch, epochs):
+        while state.epoch < epochs:
             loader = torch.utils.data.DataLoader(range(samples), batch_size=batch,
                                                  sampler=state.sampler)
             for index, idx in enumerate(loader):
@@ -98,7 +98,10 @@ def main():
                     state.save()
                     os.kill(os.getpid(), signal.SIGKILL)
                 state.commit()
-            state.sampler.set_epoch(state.epoch + 1)
+            # epoch and sampler advance together before the commit: a re-forming there
+            # must not repeat the epoch
+            state.epoch += 1
+            state.sampler.set_epoch(state.epoch)
             state.commit()
 
     train(state)
