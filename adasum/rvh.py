@@ -22,6 +22,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from horovod_ext.backends import trace
 from horovod_ext.backends.base import Communicator
 
 from .gather import gather_adasum_, largest_power_of_two
@@ -96,11 +97,13 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
     if gather_limit is None:
         gather_limit = PAIR_GATHER_LIMIT if n == 2 else GATHER_LIMIT
     if extra_reduce is None and offset == 0 and gathered_bytes <= gather_limit:
-        return gather_adasum_(x, layers, comm, order)
+        with trace.activity("ADASUM_GATHER_AND_COMBINE", gathered_bytes // (n - 1)):
+            return gather_adasum_(x, layers, comm, order)
     reduce_dots = extra_reduce or (lambda dots: dots)
 
     if me >= p:  # folded: hand the vector over, join the level sums, get the result back
-        _swap(comm, x, None, order[me - p])
+        with trace.activity("ADASUM_FOLD_EXCHANGE", trace.nbytes_of(x)):
+            _swap(comm, x, None, order[me - p])
         span = 2
         while span <= p:
             _sum_over_groups(comm, None, me, span, p, (layers.count, 3), x.device)
@@ -109,10 +112,12 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
         return x
     if me + p < n:
         other = WORKSPACE.get("received", x.numel(), x.dtype, x.device)
-        _swap(comm, None, other, order[me + p])
-        piece = layers.piece(offset, offset + x.numel())
-        dots = reduce_dots(partial_dots(x, other, piece))
-        combine_(x, other, True, coefficients(dots), piece)
+        with trace.activity("ADASUM_FOLD_EXCHANGE"):
+            _swap(comm, None, other, order[me + p])
+        with trace.activity("ADASUM_FOLD_COMBINE"):
+            piece = layers.piece(offset, offset + x.numel())
+            dots = reduce_dots(partial_dots(x, other, piece))
+            combine_(x, other, True, coefficients(dots), piece)
     kernels = kernels_for(x)
     if p > 1 and kernels is not None:
         _rvh_native(x, kernels, _schedule(layers, x.numel(), offset, order, p, me, comm), comm,
@@ -120,7 +125,8 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
     elif p > 1:
         _rvh(x, layers, comm, order, p, me, reduce_dots, offset)
     if me + p < n:
-        _swap(comm, x, None, order[me + p])
+        with trace.activity("ADASUM_FOLD_EXCHANGE", trace.nbytes_of(x)):
+            _swap(comm, x, None, order[me + p])
     return x
 
 
@@ -245,6 +251,8 @@ def _rvh_native(x: torch.Tensor, kernels: Kernels, schedule: _Schedule, comm: Co
     """_rvh for contiguous CPU float32/float64 buffers: the same exchanges and sums, the
     arithmetic on addresses, tables and exchanges made once (see _Schedule)."""
     steps, gathers = schedule.steps(x, comm, kernels.itemsize)
+    if trace.recorder is not None:
+        return _rvh_native_traced(x, kernels, schedule, steps, gathers, comm, extra_reduce)
     for level, (chunks, mine, other) in zip(schedule.levels, steps):
         level.zero(0.0)
         for exchange, a, b, piece in chunks:
@@ -258,35 +266,68 @@ def _rvh_native(x: torch.Tensor, kernels: Kernels, schedule: _Schedule, comm: Co
         exchange()
 
 
+def _rvh_native_traced(x, kernels: Kernels, schedule: _Schedule, steps, gathers,
+                       comm: Communicator, extra_reduce: Optional[DotsReduce]):
+    """_rvh_native with each level's exchange, dot products and combination on the timeline
+    (the exchange of a chunk and its products alternate, each marked on its own)."""
+    size = kernels.itemsize
+    for i, (level, (chunks, mine, other)) in enumerate(zip(schedule.levels, steps)):
+        with trace.activity(f"ADASUM_LEVEL_{i}", (level.send[1] - level.send[0]) * size):
+            level.zero(0.0)
+            for exchange, a, b, piece in chunks:
+                with trace.activity("ADASUM_EXCHANGE"):
+                    exchange()
+                with trace.activity("ADASUM_DOT_PRODUCTS"):
+                    kernels.dots(a, b, piece, level.dots)
+            with trace.activity("ADASUM_DOT_PRODUCTS_SUM", level.table.numel() * 8):
+                level.reduce()
+                if extra_reduce is not None:
+                    extra_reduce(level.row)
+            with trace.activity("ADASUM_COMBINE"):
+                kernels.combine(mine, other, level.left, level.dots, level.piece, level.weights)
+    with trace.activity("ADASUM_ALLGATHER", (x.numel() - (schedule.levels[-1].keep[1]
+                                                          - schedule.levels[-1].keep[0])) * size):
+        for exchange in gathers:
+            exchange()
+
+
 def _rvh(x, layers: LayerMap, comm: Communicator, order, p: int, me: int,
          reduce_dots: DotsReduce, offset: int):
     lo, hi = 0, x.numel()
     trail = []  # (lo, mid, hi, neighbour, kept_left) per level, for the gather phase
     d = 1
+    level = 0
     while d < p:
         mid = lo + (hi - lo) // 2
         left = (me // d) % 2 == 0
         nghr = order[me + d] if left else order[me - d]
-        if left:  # keep [lo, mid): a is mine, b comes from the right neighbour
-            mine = x[lo:mid]
-            theirs = WORKSPACE.get("received", mid - lo, x.dtype, x.device)
-            _swap(comm, x[mid:hi], theirs, nghr)
-            a, b, new = mine, theirs, (lo, mid)
-        else:     # keep [mid, hi): a comes from the left neighbour, b is mine
-            mine = x[mid:hi]
-            theirs = WORKSPACE.get("received", hi - mid, x.dtype, x.device)
-            _swap(comm, x[lo:mid], theirs, nghr)
-            a, b, new = theirs, mine, (mid, hi)
-        piece = layers.piece(offset + new[0], offset + new[1])
-        dots = partial_dots(a, b, piece)
-        dots = reduce_dots(_sum_over_groups(comm, dots, me, 2 * d, p, dots.shape, x.device))
-        combine_(mine, theirs, left, coefficients(dots), piece)
+        sent = x[mid:hi] if left else x[lo:mid]
+        with trace.activity(f"ADASUM_LEVEL_{level}", trace.nbytes_of(sent)):
+            if left:  # keep [lo, mid): a is mine, b comes from the right neighbour
+                mine = x[lo:mid]
+                theirs = WORKSPACE.get("received", mid - lo, x.dtype, x.device)
+                a, b, new = mine, theirs, (lo, mid)
+            else:     # keep [mid, hi): a comes from the left neighbour, b is mine
+                mine = x[mid:hi]
+                theirs = WORKSPACE.get("received", hi - mid, x.dtype, x.device)
+                a, b, new = theirs, mine, (mid, hi)
+            with trace.activity("ADASUM_EXCHANGE"):
+                _swap(comm, sent, theirs, nghr)
+            piece = layers.piece(offset + new[0], offset + new[1])
+            with trace.activity("ADASUM_DOT_PRODUCTS"):
+                dots = partial_dots(a, b, piece)
+                dots = reduce_dots(_sum_over_groups(comm, dots, me, 2 * d, p, dots.shape,
+                                                    x.device))
+            with trace.activity("ADASUM_COMBINE"):
+                combine_(mine, theirs, left, coefficients(dots), piece)
         trail.append((lo, mid, hi, nghr, left))
         lo, hi = new
         d *= 2
-    for lo, mid, hi, nghr, left in reversed(trail):
-        if left:
-            _swap(comm, x[lo:mid], x[mid:hi], nghr)
-        else:
-            _swap(comm, x[mid:hi], x[lo:mid], nghr)
+        level += 1
+    with trace.activity("ADASUM_ALLGATHER", trace.nbytes_of(x) - (hi - lo) * x.element_size()):
+        for lo, mid, hi, nghr, left in reversed(trail):
+            if left:
+                _swap(comm, x[lo:mid], x[mid:hi], nghr)
+            else:
+                _swap(comm, x[mid:hi], x[lo:mid], nghr)
 

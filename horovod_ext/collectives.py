@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .backends import shm
+from .backends import shm, trace
 from .backends.base import Communicator, ReduceOp, split_sizes
 from .backends.topology import Topology
 
@@ -79,21 +79,34 @@ class Collectives:
             in_node = self.topology.in_node(buffer)
             if in_node is not None and cross_step is None:
                 cross = self.topology.cross
-                return in_node.pipelined_allreduce(buffer.view(-1), op,
-                                                   lambda shard: cross.allreduce(shard, op),
-                                                   self._chunk_elements(buffer))
+
+                def cross_allreduce(shard):
+                    with trace.transfer(cross, "CROSS_ALLREDUCE", shard):
+                        return cross.allreduce(shard, op)
+
+                with trace.activity("SHM_HIERARCHICAL_ALLREDUCE", trace.nbytes_of(buffer)):
+                    return in_node.pipelined_allreduce(buffer.view(-1), op, cross_allreduce,
+                                                       self._chunk_elements(buffer))
             return hierarchical_allreduce(buffer, self.topology, op, cross_step)
         if cross_step is not None:
             return buffer.copy_(cross_step(buffer, 0, self.topology))
         if not self.reduces_on_world(buffer):
-            self.topology.in_node(buffer.view(-1)).allreduce(buffer.view(-1), op)
+            with trace.activity("SHM_ALLREDUCE", trace.nbytes_of(buffer)):
+                self.topology.in_node(buffer.view(-1)).allreduce(buffer.view(-1), op)
             return buffer
-        return self.world.allreduce(buffer, op)
+        with trace.transfer(self.world, "ALLREDUCE", buffer):
+            return self.world.allreduce(buffer, op)
 
     def allgather(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         if self.hierarchical_allgather and self.hierarchy_applies:
             return hierarchical_allgather(tensor, self.topology, counts)
-        return self.world.allgather(tensor, counts)
+        with trace.transfer(self.world, "ALLGATHER", tensor):
+            return self.world.allgather(tensor, counts)
+
+
+def _node_transport(topology: Topology, tensor: torch.Tensor) -> str:
+    """What carries the in-node steps of ``tensor`` (for the timeline)."""
+    return "SHM" if topology.in_node(tensor) is not None else topology.local.transport(tensor)
 
 
 def hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceOp,
@@ -101,12 +114,18 @@ def hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceO
     flat = buffer.view(-1)
     counts = split_sizes(flat.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
-    shard = topology.node_reduce_scatter(flat, op)
+    tl = trace.recorder
+    node = _node_transport(topology, flat) if tl is not None else ""
+    with trace.activity(f"{node}_NODE_REDUCESCATTER", trace.nbytes_of(flat)):
+        shard = topology.node_reduce_scatter(flat, op)
     if cross_step is None:
-        shard = topology.cross.allreduce(shard, op)
+        with trace.transfer(topology.cross, "CROSS_ALLREDUCE", shard):
+            shard = topology.cross.allreduce(shard, op)
     else:
-        shard = cross_step(shard, offset, topology)
-    topology.node_allgather(flat, shard)
+        with trace.activity("CROSS_STEP", trace.nbytes_of(shard)):
+            shard = cross_step(shard, offset, topology)
+    with trace.activity(f"{node}_NODE_ALLGATHER", trace.nbytes_of(flat)):
+        topology.node_allgather(flat, shard)
     return buffer
 
 
@@ -117,12 +136,14 @@ def hierarchical_allgather(tensor: torch.Tensor, topology: Topology,
     members = [[r for r in range(len(node_of)) if node_of[r] == n]
                for n in range(topology.num_nodes)]
     mine = members[node_of[topology.rank]]
-    block = topology.node_allgather_rows(tensor.contiguous(), [counts[r] for r in mine])
+    with trace.activity("NODE_ALLGATHER", trace.nbytes_of(tensor)):
+        block = topology.node_allgather_rows(tensor.contiguous(), [counts[r] for r in mine])
     node_rows = [sum(counts[r] for r in m) for m in members]
     # The cross communicator is ordered by global rank, which need not be node order.
     cross_members = topology.cross_members
     node_order = [node_of[r] for r in cross_members]
-    everything = topology.cross.allgather(block, [node_rows[n] for n in node_order])
+    with trace.transfer(topology.cross, "CROSS_ALLGATHER", block):
+        everything = topology.cross.allgather(block, [node_rows[n] for n in node_order])
     starts: List[int] = [0] * len(node_of)
     pos = 0
     for n in node_order:

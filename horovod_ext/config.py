@@ -63,6 +63,9 @@ class Config:
     dynamic_process_sets: bool = False           # hvd.add_process_set after init allowed
     shared_memory: bool = True                   # in-node steps through shared memory
     hierarchical_chunk_bytes: int = 0            # pipelined hierarchical chunks; 0: automatic
+    timeline: Optional[str] = None               # file; "DYNAMIC": hvd.start_timeline only
+    timeline_mark_cycles: bool = False
+    timeline_all_ranks: bool = False             # one file per rank, not rank 0's alone
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Config":
@@ -108,4 +111,9 @@ class Config:
             shared_memory=_get(env, "HOROVOD_SHARED_MEMORY", True, _bool, expect="0 or 1"),
             hierarchical_chunk_bytes=_get(env, "HOROVOD_HIERARCHICAL_CHUNK_BYTES", 0, int,
                                           non_negative, "a non-negative number of bytes"),
+            timeline=_get(env, "HOROVOD_TIMELINE", None, str),
+            timeline_mark_cycles=_get(env, "HOROVOD_TIMELINE_MARK_CYCLES", False, _bool,
+                                      expect="0 or 1"),
+            timeline_all_ranks=_get(env, "HOROVOD_TIMELINE_ALL_RANKS", False, _bool,
+                                    expect="0 or 1"),
         )

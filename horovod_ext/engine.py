@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .backends import trace
 from .backends.base import CommunicationError, split_sizes
 from .backends.control import ControlChannel
 from .collectives import Collectives
@@ -66,6 +67,19 @@ def _decode(message: bytes) -> Tuple[Tuple[int, ...], List, bool, List[str]]:
     if flags & _EXTRA_FLAG:
         announce, aborts = pickle.loads(message[_MESSAGE.size + 4 * count:])
     return ids, announce, bool(flags & _SHUTDOWN_FLAG), aborts
+
+
+def _track(kind: str, name: str) -> str:
+    """A tensor's track on the timeline, named as Horovod names it: ``allreduce.<name>``."""
+    return name if name.startswith(kind + ".") else f"{kind}.{name}"
+
+
+def _tracks(name: str, meta: Tuple) -> Tuple[str, ...]:
+    """The tracks of a request's tensors (``Request.tensor_names``) from its description."""
+    kind, count = meta[0], len(meta[4])
+    if count == 1:
+        return (_track(kind, name),)
+    return tuple(_track(kind, f"{name}.{i}") for i in range(count))
 
 
 class HorovodInternalError(RuntimeError):
@@ -243,6 +257,7 @@ class Engine:
         self._event_lock = threading.Lock()   # makes the handles' events
         self._cycle_s = config.cycle_time_ms / 1000.0
         self._last_end = 0.0
+        self._round_started = 0  # perf_counter_ns at the start of the round (timeline)
         self._not_before = 0.0   # NEXT_CYCLE requests: no cycle before this (monotonic s)
         self._thread = threading.Thread(target=self._run, name="horovod_ext-engine", daemon=True)
         self._thread.start()
@@ -324,6 +339,9 @@ class Engine:
             if (self._new or self._local or self._pending or self._joined or self._abort_next
                     or self._stopped or self._shutdown_requested):
                 return None
+            tl = trace.recorder
+            if tl is not None:
+                self._round_started = time.perf_counter_ns()
             try:
                 messages = self.control.agree(plan.message, True)
             except BaseException as exc:  # noqa: B902 - as a failed cycle: stops the engine
@@ -337,7 +355,15 @@ class Engine:
                 if not plan.in_place:
                     tensor = tensor.detach().clone()
                 try:
-                    plan.run(tensor)
+                    if tl is None:
+                        plan.run(tensor)
+                    else:
+                        track = (_track("allreduce", name),)
+                        tl.negotiated_together([(track, "allreduce")], self.size,
+                                               self._round_started)
+                        with tl.executing(track, "STEADY_STATE_ALLREDUCE", None,
+                                          trace.nbytes_of(tensor)):
+                            plan.run(tensor)
                 except CommunicationError as exc:
                     self._fail_everything(exc)
                     raise self._fatal from exc
@@ -454,6 +480,11 @@ class Engine:
 
     def _cycle(self, new: List[Request], shutdown: bool, caller_blocked: bool = False) -> bool:
         """One negotiation and execution round; True when the engine should stop."""
+        tl = trace.recorder
+        if tl is not None:
+            self._round_started = time.perf_counter_ns()
+            if tl.mark_cycles:
+                tl.cycle_start()
         cache_ids, announce = [], []
         for r in new:
             cid = self._cache.lookup(r.name, self.rank, r.meta)
@@ -480,7 +511,13 @@ class Engine:
             # nothing else (nothing is pending anywhere: that table is the same on every rank),
             # so they are ready everywhere with the descriptions agreed when they were cached.
             self._last_round_active = True
-            self._execute([self._cache.by_id[cid] + (None,) for cid in only_ids])
+            ready = [self._cache.by_id[cid] + (None,) for cid in only_ids]
+            tl = trace.recorder
+            if tl is not None:
+                metas = [(name, next(iter(m.values()))) for name, m, _ in ready]
+                tl.negotiated_together([(_tracks(name, meta), meta[0]) for name, meta in metas],
+                                       self.size, self._round_started)
+            self._execute(ready)
             return False
         gathered = [_decode(m) for m in (messages or [message] * self.size)]
 
@@ -523,6 +560,9 @@ class Engine:
     def _note(self, name: str, rank: int, meta: Tuple, now: float):
         self._pending.setdefault(name, {})[rank] = meta
         self._first_seen.setdefault(name, now)
+        tl = trace.recorder
+        if tl is not None:
+            tl.submitted(_tracks(name, meta), rank)
 
     def _collect_ready(self):
         needed = set(range(self.size)) - set(self._joined)
@@ -538,10 +578,14 @@ class Engine:
                                            f"allreduce is)"))
             elif needed <= metas.keys():
                 ready.append((name, metas, _mismatch_message(name, metas)))
-        for name, _, _ in ready:
+        tl = trace.recorder
+        for name, metas, _ in ready:
             del self._pending[name]
             self._first_seen.pop(name, None)
             self._warned.pop(name, None)
+            if tl is not None:
+                meta = next(iter(metas.values()))
+                tl.negotiated(_tracks(name, meta), meta[0])
         return ready
 
     # --- execution ----------------------------------------------------------------------------
@@ -580,12 +624,36 @@ class Engine:
         # A transport failure below stops the engine: _fail_everything must reach these too.
         self._running = [r for kind, item in batches
                          for r in ([item[0]] if kind == "single" else item)]
+        tl = trace.recorder
+        negotiated = time.perf_counter_ns() if tl is not None else None
         for kind, item in batches:
-            if kind == "single":
-                self._run_single(*item)
+            if tl is not None:
+                with self._marked(tl, kind, item, negotiated):
+                    self._run_batch(kind, item)
             else:
-                self._run_allreduce(item)
+                self._run_batch(kind, item)
         self._running = []
+
+    def _run_batch(self, kind: str, item):
+        if kind == "single":
+            self._run_single(*item)
+        else:
+            self._run_allreduce(item)
+
+    @staticmethod
+    def _marked(tl, kind: str, item, since: int):
+        """The timeline's record of one batch: its tensors' tracks, named after the operation
+        (ALLREDUCE for the elementwise ops, the op's own name otherwise: ADASUM...)."""
+        members = [item[0]] if kind == "single" else item
+        first = members[0]
+        if first.kind == "allreduce":
+            op = get_op(first.op)
+            name = "ALLREDUCE" if hasattr(op, "reduce_op") else op.name.upper()
+        else:
+            name = first.kind.upper()
+        tracks = [_track(r.kind, n) for r in members for n in r.tensor_names()]
+        nbytes = sum(trace.nbytes_of(t) for r in members for t in r.tensors)
+        return tl.executing(tracks, name, since, nbytes)
 
     def _zeros_request(self, name, meta):
         kind, op, dtype, device, shapes, root, splits, pre, post = meta
@@ -607,7 +675,8 @@ class Engine:
             # In place on the caller's tensor (its detached alias): no copies.
             buffer = tensors[0] if tensors[0].dim() == 1 else tensors[0].view(-1)
         elif alone:
-            buffer = tensors[0].detach().reshape(-1).clone()  # becomes the result itself
+            with trace.activity("MEMCPY_IN_FUSION_BUFFER", trace.nbytes_of(tensors[0])):
+                buffer = tensors[0].detach().reshape(-1).clone()  # becomes the result itself
         else:
             # An elementwise op's fused buffer goes straight into shared memory when the
             # in-node steps run there.
@@ -615,7 +684,9 @@ class Engine:
             if getattr(op, "reduce_op", None) is not None and tensors[0].is_cpu:
                 slot = self.comms.pack_target(sum(t.numel() for t in tensors),
                                               tensors[0].dtype)
-            buffer = self._fusion.pack(tensors, slot)
+            with trace.activity("MEMCPY_IN_FUSION_BUFFER",
+                                sum(trace.nbytes_of(t) for t in tensors)):
+                buffer = self._fusion.pack(tensors, slot)
             self.stats["fused_buffers"] += 1
         try:
             buffer = reduce_flat(op, buffer, layers, self.comms, first.prescale, first.postscale)
@@ -632,6 +703,12 @@ class Engine:
             # tens of microseconds right after a large transfer has evicted the caches.)
             first.handle._finish([target])
             return
+        with trace.activity("MEMCPY_OUT_FUSION_BUFFER", trace.nbytes_of(buffer)):
+            self._unpack(members, buffer, alone)
+
+    @staticmethod
+    def _unpack(members: List[Request], buffer: torch.Tensor, alone: bool):
+        """Hand each request its part of the reduced ``buffer``."""
         position = 0
         for r in members:
             results = []
@@ -655,12 +732,14 @@ class Engine:
                 result = comms.allgather(r.tensors[0], counts)
             elif r.kind == "broadcast":
                 t = r.outputs[0] if r.outputs else r.tensors[0].clone()
-                world.broadcast(t, r.root)
+                with trace.transfer(world, "BROADCAST", t):
+                    world.broadcast(t, r.root)
                 result = t
             elif r.kind == "alltoall":
                 recv = [metas[k][6][self.rank] for k in range(self.size)]
-                result = (world.alltoall(r.tensors[0], list(r.splits), recv),
-                          torch.tensor(recv, dtype=torch.int32))
+                with trace.transfer(world, "ALLTOALL", r.tensors[0]):
+                    result = (world.alltoall(r.tensors[0], list(r.splits), recv),
+                              torch.tensor(recv, dtype=torch.int32))
             elif r.kind == "reducescatter":
                 result = self._reducescatter(r)
             elif r.kind == "barrier":
@@ -691,7 +770,8 @@ class Engine:
         if reduce_op is None:
             raise ValueError(f"reducescatter supports Sum, Average, Min, Max and Product, "
                              f"not {r.op}")
-        out = self.comms.world.reduce_scatter(buffer, [n * row for n in rows], reduce_op)
+        with trace.transfer(self.comms.world, "REDUCESCATTER", buffer):
+            out = self.comms.world.reduce_scatter(buffer, [n * row for n in rows], reduce_op)
         if r.op == "average":
             average_(out, self.size)
         scale_(out, r.postscale)

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from .backends import trace
 from .collectives import Collectives
 from .fusion import layers_of
 from .ops import AverageOp, ElementwiseOp, Op, average_, reduce_flat
@@ -62,7 +63,8 @@ class CachedAllreduce:
         """Reduce ``tensor`` in place, as the engine would (``Engine._run_allreduce``); for a
         plan that is not in place, ``tensor`` is the copy that becomes the result."""
         if self._prepared is not None:
-            self._prepared()
+            with trace.transfer(self._comms.world, "ALLREDUCE", tensor):
+                self._prepared()
             if self._average:
                 average_(tensor, self._comms.world.size)
             return

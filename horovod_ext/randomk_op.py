@@ -22,6 +22,7 @@ import torch
 from slamb.mask import random_k_indices, slice_indices
 from slamb.sparse import SMALL_TENSOR_NUMEL, Entry, masked_average_, syncs_in_full
 
+from .backends import trace
 from .backends.base import ReduceOp
 from .backends.topology import Topology
 from .ops import Layer, Op, get_op, register_op
@@ -49,7 +50,8 @@ class RandomKOp(Op):
         flat = buffer.view(-1)
         if not layers:
             layers = [Layer(0, flat.numel(), tuple(buffer.shape), "")]
-        masks = [self._mask(layer, flat.device) for layer in layers]
+        with trace.activity("RANDOMK_MASK"):
+            masks = [self._mask(layer, flat.device) for layer in layers]
         topo = comms.topology
         if not (comms.hierarchical_allreduce and comms.hierarchy_applies):
             self.bytes_sent += masked_average_(self._entries(flat, 0, layers, masks),

@@ -7,13 +7,16 @@ communicators and control plane, so requests on different sets never wait on eac
 """
 import atexit
 import logging
+import statistics
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
 
+from . import timeline
 from .backends import bootstrap, context
 from .backends.control import ControlChannel
 from .backends.topology import Topology
@@ -58,6 +61,7 @@ class _State:
         self.sets: Dict[int, _SetRuntime] = {}   # process set id -> its runtime (0: the world)
         self.next_set_id = 1
         self.generation = 0   # counts inits: work begun before the latest one is void
+        self.clock_zero_ns = 0   # time.time_ns() here at rank 0's init (the timeline's zero)
 
 
 state = _State()
@@ -117,11 +121,55 @@ def init(comm=None):
         state.engine = engine
         state.sets, state.next_set_id = {}, 1
         state.generation += 1
+        state.clock_zero_ns = _clock_zero(world)
+        if config.timeline and config.timeline.upper() != "DYNAMIC":
+            _start_timeline(config.timeline, config.timeline_mark_cycles)
         context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
                                                 _execute_custom, _submit_custom))
         if not state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             state.atexit_registered = True
+
+
+def _clock_zero(world) -> int:
+    """This process's ``time.time_ns()`` at rank 0's, now: right after a barrier every rank
+    reads its clock, and the median over a few rounds of the difference to rank 0's reading is
+    this clock's offset (within about one latency of the barrier's release)."""
+    if world.size == 1:
+        return time.time_ns()
+    import torch
+    offsets, zero = [], None
+    for _ in range(3):
+        world.barrier()
+        now = torch.tensor([time.time_ns()], dtype=torch.int64)
+        readings = world.allgather(now)
+        offsets.append(int(readings[world.rank]) - int(readings[0]))
+        zero = int(readings[0]) if zero is None else zero
+    return zero + int(statistics.median(offsets))
+
+
+def _start_timeline(path: str, mark_cycles: bool):
+    """Record a timeline into ``path`` where this rank writes one (config.timeline_all_ranks)."""
+    mine = timeline.path_for_rank(path, state.topology.rank, state.config.timeline_all_ranks)
+    timeline.stop()
+    if mine is not None:
+        timeline.start(mine, state.topology.rank, mark_cycles, state.clock_zero_ns)
+
+
+def start_timeline(path: str, mark_cycles: bool = False):
+    """Start writing a timeline to ``path`` (rank 0; every rank with
+    HOROVOD_TIMELINE_ALL_RANKS=1), replacing any timeline being written."""
+    with state.lock:
+        if state.engine is None:
+            raise NotInitializedError()
+        if not path:
+            raise ValueError("start_timeline needs a file path")
+        _start_timeline(str(path), bool(mark_cycles))
+
+
+def stop_timeline():
+    """Stop writing the timeline, if one is being written, and complete its file."""
+    timeline.stop()
 
 
 def _start_engine(topology: Topology, transport: str, config: Config):
@@ -154,6 +202,7 @@ def shutdown():
         state.sets = {}
         engine, state.engine = state.engine, None
         engine.shutdown()
+        timeline.stop()
         state.control.close()
         state.topology.close()
         if state.owns_torch_dist:

@@ -106,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     hier_ag.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
                          action="store_const", const=False)
     tune.add_argument("--timeline-filename",
-                      help="sets HOROVOD_TIMELINE (no timeline is written in this version)")
+                      help="write a timeline (Chrome trace) of the collectives to this file "
+                           "(HOROVOD_TIMELINE)")
+    tune.add_argument("--timeline-mark-cycles", action="store_true",
+                      help="mark each engine cycle on the timeline (HOROVOD_TIMELINE_MARK_CYCLES)")
+    tune.add_argument("--timeline-all-ranks", action="store_true",
+                      help="every rank writes its own timeline, <stem>.rank<N>.json "
+                           "(HOROVOD_TIMELINE_ALL_RANKS)")
     tune.add_argument("--no-stall-check", action="store_true", help="no stall warnings")
     tune.add_argument("--stall-check-warning-time-seconds", type=positive_float)
     tune.add_argument("--stall-check-shutdown-time-seconds", type=non_negative_float)
@@ -213,6 +219,10 @@ def horovod_env(o: argparse.Namespace) -> dict:
         env["HOROVOD_HIERARCHICAL_ALLGATHER"] = "1" if o.hierarchical_allgather else "0"
     if o.timeline_filename:
         env["HOROVOD_TIMELINE"] = o.timeline_filename
+    if o.timeline_mark_cycles:
+        env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
+    if o.timeline_all_ranks:
+        env["HOROVOD_TIMELINE_ALL_RANKS"] = "1"
     if o.no_stall_check:
         env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
     if o.stall_check_warning_time_seconds is not None:

@@ -178,9 +178,6 @@ def main(argv=None) -> int:
         return 0
     if o.check_build:
         return check_build()
-    if o.timeline_filename:
-        _say(f"note: HOROVOD_TIMELINE={o.timeline_filename} is passed on, but this version of "
-             f"horovod_ext writes no timeline")
     try:
         if o.elastic:
             from .elastic import ElasticDriver

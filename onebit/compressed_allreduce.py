@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from horovod_ext.backends import trace
 from horovod_ext.backends.base import Communicator, ReduceOp, split_sizes
 from horovod_ext.backends.topology import Topology
 
@@ -163,12 +164,14 @@ def compressed_allreduce_(x: torch.Tensor, comm: Communicator, errors: ErrorFeed
     # signs all-to-all, scales all-gather.
     ws, device = errors.workspace, x.device
     packed = ws.get("send", n * cbytes, torch.uint8, device)
-    packed[packed_bytes(numel):].fill_(0xFF)
-    scales = compensate_compress_(errors._worker, layer_lengths, packed, ws,
-                                  pending=errors._take("worker"), dense=x)
+    with trace.activity("ONEBIT_COMPRESS", trace.nbytes_of(x)):
+        packed[packed_bytes(numel):].fill_(0xFF)
+        scales = compensate_compress_(errors._worker, layer_lengths, packed, ws,
+                                      pending=errors._take("worker"), dense=x)
     errors._pending["worker"] = (scales, layer_lengths)
-    received = comm.alltoall(packed, [cbytes] * n, [cbytes] * n).view(n, cbytes)
-    all_scales = comm.allgather(scales, [len(layer_lengths)] * n).view(n, -1)
+    with trace.transfer(comm, "ALLTOALL", packed, (n - 1) * (cbytes + trace.nbytes_of(scales))):
+        received = comm.alltoall(packed, [cbytes] * n, [cbytes] * n).view(n, cbytes)
+        all_scales = comm.allgather(scales, [len(layer_lengths)] * n).view(n, -1)
 
     # Phase 2 (server): average the chunk this rank owns (1/n folded into the scales),
     # compensate, recompress.
@@ -178,28 +181,42 @@ def compressed_allreduce_(x: torch.Tensor, comm: Communicator, errors: ErrorFeed
     server_packed = ws.get("server_packed", cbytes, torch.uint8, device)
     server_packed[packed_bytes(owned):].fill_(0xFF)
     server_scales = torch.empty(0, dtype=sdtype, device=device)
-    if owned:
-        piece_lengths = [length for _, length in mine]
-        layer_of = torch.tensor([i for i, _ in mine], device=device)
-        # summed in rank order, the same sum on every rank and in any simulation
-        parts = [(received[j], all_scales[j].index_select(0, layer_of)) for j in range(n)]
-        server_scales = compensate_compress_(errors._server[:owned], piece_lengths,
-                                             server_packed, ws, pending=errors._take("server"),
-                                             packed=parts, divisor=n)
-        errors._pending["server"] = (server_scales, piece_lengths)
+    with trace.activity("ONEBIT_SERVER_AVERAGE", owned * itemsize):
+        if owned:
+            server_scales = _server_average(errors, received, all_scales, mine, owned, n,
+                                            server_packed, ws)
 
     # Phase 3: every rank gets every chunk.
-    gathered = comm.allgather(server_packed, [cbytes] * n)
-    counts = [len(p) for p in pieces]
-    gathered_scales = comm.allgather(server_scales, counts) if n > 1 else server_scales
+    with trace.transfer(comm, "ALLGATHER", server_packed,
+                        (n - 1) * (cbytes + len(mine) * itemsize)):
+        gathered = comm.allgather(server_packed, [cbytes] * n)
+        counts = [len(p) for p in pieces]
+        gathered_scales = comm.allgather(server_scales, counts) if n > 1 else server_scales
     all_lengths = [length for p in pieces for _, length in p]
-    decompress_into(gathered, gathered_scales, all_lengths, x, ws)
+    with trace.activity("ONEBIT_DECOMPRESS", trace.nbytes_of(x)):
+        decompress_into(gathered, gathered_scales, all_lengths, x, ws)
 
     sent = (n - 1) * (2 * cbytes + (len(layer_lengths) + len(mine)) * itemsize)
     errors.last_bytes_sent = sent
     errors.bytes_sent += sent
     errors.calls += 1
     return x
+
+
+def _server_average(errors: ErrorFeedback, received: torch.Tensor, all_scales: torch.Tensor,
+                    mine, owned: int, n: int, server_packed: torch.Tensor, ws) -> torch.Tensor:
+    """Phase 2 on the chunk this rank owns: decompress what every rank sent, average,
+    compensate and recompress into ``server_packed``; its scales."""
+    device = received.device
+    piece_lengths = [length for _, length in mine]
+    layer_of = torch.tensor([i for i, _ in mine], device=device)
+    # summed in rank order, the same sum on every rank and in any simulation
+    parts = [(received[j], all_scales[j].index_select(0, layer_of)) for j in range(n)]
+    server_scales = compensate_compress_(errors._server[:owned], piece_lengths,
+                                         server_packed, ws, pending=errors._take("server"),
+                                         packed=parts, divisor=n)
+    errors._pending["server"] = (server_scales, piece_lengths)
+    return server_scales
 
 
 def hierarchy_applies(topology: Topology) -> bool:

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from horovod_ext.backends import Communicator, ReduceOp, split_sizes
+from horovod_ext.backends import Communicator, ReduceOp, split_sizes, trace
 
 # SLAMB's reference code (grad_size_thr) always synchronises tensors with fewer elements than
 # this, and every 1-D tensor (biases, norms): they cost little and their statistics are noisy.
@@ -41,6 +41,7 @@ def masked_average_(entries: Sequence[Entry], comm: Communicator, divisor: int,
     ``shard_over`` (the node, when ``comm`` is the cross-node group): ranks of that group hold
     the same values, so each reduces only its 1/size share across nodes and the node
     all-gathers the shares: a node sends its data across once, not once per rank."""
+    label = "SHM_ALLREDUCE" if allreduce is not None else None  # the node's shared memory
     if allreduce is None:
         def allreduce(t):
             return comm.allreduce(t, ReduceOp.SUM)
@@ -49,26 +50,32 @@ def masked_average_(entries: Sequence[Entry], comm: Communicator, divisor: int,
         by_dtype.setdefault(flat.dtype, []).append((flat, idx))
     sent = 0
     for group in by_dtype.values():
-        parts = [flat if idx is None else flat.index_select(0, idx) for flat, idx in group]
-        dense = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        with trace.activity("RANDOMK_GATHER"):
+            parts = [flat if idx is None else flat.index_select(0, idx) for flat, idx in group]
+            dense = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         if shard_over is not None and shard_over.size > 1:
             counts = split_sizes(dense.numel(), shard_over.size)
             start = sum(counts[:shard_over.rank])
             share = dense[start:start + counts[shard_over.rank]].clone()
             if comm.size > 1:
-                comm.allreduce(share, ReduceOp.SUM)
+                with trace.transfer(comm, "ALLREDUCE", share):
+                    comm.allreduce(share, ReduceOp.SUM)
                 sent += share.numel() * share.element_size()
-            dense = shard_over.allgather(share, counts)
+            with trace.transfer(shard_over, "ALLGATHER", share):
+                dense = shard_over.allgather(share, counts)
         elif comm.size > 1:
-            allreduce(dense)
+            with (trace.activity(label, trace.nbytes_of(dense)) if label
+                  else trace.transfer(comm, "ALLREDUCE", dense)):
+                allreduce(dense)
             sent += dense.numel() * dense.element_size()
-        if divisor != 1:
-            dense.mul_(1.0 / divisor)
-        for (flat, idx), piece in zip(group, dense.split([p.numel() for p in parts])):
-            if idx is None:
-                flat.copy_(piece)
-            else:
-                flat.index_copy_(0, idx, piece)
+        with trace.activity("RANDOMK_SCATTER", trace.nbytes_of(dense)):
+            if divisor != 1:
+                dense.mul_(1.0 / divisor)
+            for (flat, idx), piece in zip(group, dense.split([p.numel() for p in parts])):
+                if idx is None:
+                    flat.copy_(piece)
+                else:
+                    flat.index_copy_(0, idx, piece)
     return sent
 
 

@@ -91,6 +91,10 @@ class Communicator(ABC):
     def close(self) -> None:
         """Release transport resources; the communicator is unusable afterwards."""
 
+    def transport(self, tensor: Optional[torch.Tensor] = None) -> str:
+        """The name of what carries ``tensor`` here (MPI, GLOO, NCCL), for the timeline."""
+        return type(self).__name__.replace("Communicator", "").upper()
+
     # --- the same call again and again --------------------------------------------------------
     #: From this many bytes, an allreduce among ranks of one host goes faster through the
     #: shared-memory group (shm.py) than through this communicator.

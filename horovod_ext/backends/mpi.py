@@ -286,6 +286,9 @@ class MPICommunicator(Communicator):
             group.Free()
         return made
 
+    def transport(self, tensor=None):
+        return "MPI"
+
     def close(self):
         MPI = _mpi()
         if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():

@@ -207,6 +207,11 @@ class TorchCommunicator(Communicator):
             made.append(comm)
         return made
 
+    def transport(self, tensor=None):
+        if tensor is not None and tensor.is_cuda and self._cuda_group is not None:
+            return "NCCL"
+        return "GLOO"
+
     def close(self):
         if self._owns_groups and dist.is_initialized():
             for group in (self._cpu_group, self._cuda_group):

@@ -137,8 +137,12 @@ def mpi_threads_supported() -> bool:
 
 
 def start_timeline(file_path, mark_cycles=False):
-    raise NotImplementedError("the Horovod timeline is not implemented in horovod_ext yet")
+    """Write a timeline (Chrome trace) of every collective to ``file_path`` from now on;
+    ``mark_cycles`` marks each engine cycle.  Rank 0 writes it (every rank, each to its own
+    ``<stem>.rank<N>.json``, with HOROVOD_TIMELINE_ALL_RANKS=1)."""
+    _runtime.start_timeline(file_path, mark_cycles)
 
 
 def stop_timeline():
-    pass
+    """Stop writing the timeline and complete its file."""
+    _runtime.stop_timeline()
