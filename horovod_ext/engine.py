@@ -398,6 +398,18 @@ class Engine:
             request.lane_key, cid, entry, _encode([cid], [], False, []), request.name, tensor,
             self.comms)
 
+    def reconfigure(self, config: Config):
+        """Take ``config``'s fusion threshold, cycle time and cache capacity from now on.
+        Called on the engine thread (a custom request), at the same point of the same round on
+        every rank, so the ranks' response caches stay identical."""
+        self.config = config
+        self._cycle_s = config.cycle_time_ms / 1000.0
+        self._cache.capacity = config.cache_capacity
+        if config.cache_capacity == 0:
+            self._cache.by_id.clear()
+            self._cache.by_name.clear()
+            self._plans.clear()
+
     def shutdown(self):
         with self._cond:
             self._shutdown_requested = True

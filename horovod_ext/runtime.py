@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import timeline
+from . import autotune, timeline
 from .backends import bootstrap, context
 from .backends.control import ControlChannel
 from .backends.topology import Topology
@@ -62,6 +62,7 @@ class _State:
         self.next_set_id = 1
         self.generation = 0   # counts inits: work begun before the latest one is void
         self.clock_zero_ns = 0   # time.time_ns() here at rank 0's init (the timeline's zero)
+        self.autotuner: Optional[autotune.Autotuner] = None
 
 
 state = _State()
@@ -124,6 +125,10 @@ def init(comm=None):
         state.clock_zero_ns = _clock_zero(world)
         if config.timeline and config.timeline.upper() != "DYNAMIC":
             _start_timeline(config.timeline, config.timeline_mark_cycles)
+        state.autotuner = None
+        if config.autotune:
+            state.autotuner = autotune.Autotuner(config, autotune.Setting.of(config, comms),
+                                                 comms.hierarchy_applies, world.rank)
         context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
                                                 _execute_custom, _submit_custom))
         if not state.atexit_registered:
@@ -170,6 +175,28 @@ def start_timeline(path: str, mark_cycles: bool = False):
 def stop_timeline():
     """Stop writing the timeline, if one is being written, and complete its file."""
     timeline.stop()
+
+
+def autotune_step(nbytes: int):
+    """A training step that reduced ``nbytes`` is done (DistributedOptimizer.step(), on every
+    rank).  At the end of an autotune sample: rank 0 scores it and proposes the next setting,
+    which every rank applies at this same step (autotune.py)."""
+    tuner = state.autotuner
+    if tuner is None or tuner.frozen or not tuner.count_step(nbytes):
+        return
+    proposal = tuner.conclude_sample() if tuner.rank == 0 else None
+    world_engine = engine()
+
+    def exchange(topology):
+        t = (proposal[0].to_tensor(proposal[1]) if proposal is not None
+             else torch.zeros(7, dtype=torch.float64))
+        topology.world.broadcast(t, 0)
+        setting, frozen = autotune.Setting.from_tensor(t)
+        autotune.apply(setting, world_engine, state)
+        return setting, frozen
+
+    setting, frozen = _execute_custom(f"autotune.sample.{tuner.samples}", exchange)
+    tuner.begin_sample(setting, frozen)
 
 
 def _start_engine(topology: Topology, transport: str, config: Config):

@@ -113,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--timeline-all-ranks", action="store_true",
                       help="every rank writes its own timeline, <stem>.rank<N>.json "
                            "(HOROVOD_TIMELINE_ALL_RANKS)")
+    tune.add_argument("--autotune", action="store_true",
+                      help="tune fusion, cycle time, buckets, cache and hierarchy while training "
+                           "(HOROVOD_AUTOTUNE; needs scikit-learn)")
+    tune.add_argument("--autotune-log-file", help="CSV of every sample (HOROVOD_AUTOTUNE_LOG)")
+    tune.add_argument("--autotune-warmup-samples", type=non_negative_int,
+                      help="samples left out of the search (default 3)")
+    tune.add_argument("--autotune-steps-per-sample", type=positive_int,
+                      help="training steps per sample (default 10)")
+    tune.add_argument("--autotune-bayes-opt-max-samples", type=positive_int,
+                      help="samples before settling on the best (default 20)")
+    tune.add_argument("--autotune-gaussian-process-noise", type=positive_float,
+                      help="score noise the Gaussian process assumes (default 0.8)")
     tune.add_argument("--no-stall-check", action="store_true", help="no stall warnings")
     tune.add_argument("--stall-check-warning-time-seconds", type=positive_float)
     tune.add_argument("--stall-check-shutdown-time-seconds", type=non_negative_float)
@@ -223,6 +235,16 @@ def horovod_env(o: argparse.Namespace) -> dict:
         env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
     if o.timeline_all_ranks:
         env["HOROVOD_TIMELINE_ALL_RANKS"] = "1"
+    if o.autotune:
+        env["HOROVOD_AUTOTUNE"] = "1"
+    for flag, name in (("autotune_log_file", "LOG"), ("autotune_warmup_samples", "WARMUP_SAMPLES"),
+                       ("autotune_steps_per_sample", "STEPS_PER_SAMPLE"),
+                       ("autotune_bayes_opt_max_samples", "BAYES_OPT_MAX_SAMPLES"),
+                       ("autotune_gaussian_process_noise", "GAUSSIAN_PROCESS_NOISE")):
+        value = getattr(o, flag)
+        if value is not None:
+            env[f"HOROVOD_AUTOTUNE_{name}"] = f"{value:g}" if isinstance(value, float) \
+                else str(value)
     if o.no_stall_check:
         env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
     if o.stall_check_warning_time_seconds is not None:

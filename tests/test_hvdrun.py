@@ -200,6 +200,19 @@ def test_flags_map_to_horovod_variables():
     # Horovod's local/cross ranks: 3 ranks on a, 1 on b
     layout = [(s.host, s.local_rank, s.local_size, s.cross_rank, s.cross_size) for s in o.slots]
     assert layout == [("a", 0, 3, 0, 2), ("a", 1, 3, 0, 1), ("a", 2, 3, 0, 1), ("b", 0, 1, 1, 2)]
+    tuned = options.parse(["-np", "1", "--autotune", "--autotune-log-file", "at.csv",
+                       "--autotune-warmup-samples",
+                       "0", "--autotune-steps-per-sample", "4",
+                       "--autotune-bayes-opt-max-samples", "9",
+                       "--autotune-gaussian-process-noise", "0.25", "--timeline-mark-cycles",
+                       "--timeline-all-ranks", "x"])
+    assert options.horovod_env(tuned) == {
+        "HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "at.csv",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "0", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "9",
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.25",
+        "HOROVOD_TIMELINE_MARK_CYCLES": "1", "HOROVOD_TIMELINE_ALL_RANKS": "1",
+        "HOROVOD_START_TIMEOUT": "30"}
 
 
 def test_rendezvous_address_and_interface_choice():

@@ -102,24 +102,41 @@ class _DistributedMixin:
                                           lambda opt: False)(self))
         # A rank outside the process set trains on its own gradients, as in Horovod.
         self._hvd["member"] = process_set.included() is not False
-        self._hvd["buckets"] = self._hvd_plan_buckets(groups) if self._hvd["member"] else []
-        self._hvd["bucket_of"] = {id(p): b for b in self._hvd["buckets"] for p in b.params}
+        self._hvd["explicit_groups"] = groups is not None
+        self._hvd["step_bytes"] = sum(p.numel() * p.element_size() for p in self._hvd["params"])
+        self._hvd_set_buckets()
         if not self._hvd["delta"] and self._hvd["member"]:
             for p in self._hvd["params"]:
                 self._hvd["hooks"].append(p.register_post_accumulate_grad_hook(self._hvd_hook))
 
-    def _hvd_plan_buckets(self, groups) -> List[_buckets.Bucket]:
-        """Gradient buckets (see buckets.py) where they change nothing but speed: an
-        elementwise op (per-layer ops such as Adasum or 1-bit need tensor boundaries), no
-        explicit ``groups``, no delta mode, fusion on."""
+    def _hvd_set_buckets(self):
+        """Plan the gradient buckets for the current bucket size (see _hvd_plan_buckets)."""
         h = self._hvd
         config = runtime.state.config or Config.from_env()
-        if (groups is not None or h["delta"] or not isinstance(h["op"], ElementwiseOp)
-                or min(config.fusion_threshold, config.gradient_bucket_bytes) == 0
-                or not h["params"] or not _buckets.eligible(h["params"])):
+        h["bucket_cap"] = min(config.fusion_threshold, config.gradient_bucket_bytes)
+        h["buckets"] = self._hvd_plan_buckets(h["bucket_cap"]) if h["member"] else []
+        h["bucket_of"] = {id(p): b for b in h["buckets"] for p in b.params}
+
+    def _hvd_plan_buckets(self, cap: int) -> List[_buckets.Bucket]:
+        """Gradient buckets (see buckets.py) of up to ``cap`` bytes, where they change nothing
+        but speed: an elementwise op (per-layer ops such as Adasum or 1-bit need tensor
+        boundaries), no explicit ``groups``, no delta mode, fusion on."""
+        h = self._hvd
+        params = [p for p in h["params"] if id(p) not in h["sparse"]]  # sparse: left for good
+        if (h["explicit_groups"] or h["delta"] or not isinstance(h["op"], ElementwiseOp)
+                or cap == 0 or not params or not _buckets.eligible(params)):
             return []
-        return _buckets.plan(h["params"],
-                             min(config.fusion_threshold, config.gradient_bucket_bytes))
+        return _buckets.plan(params, cap)
+
+    def _hvd_autotune_step(self):
+        """Count this step for autotune; take a new bucket size at once (every rank gets it
+        at this same step, with no reduction in flight)."""
+        if runtime.state.autotuner is None:
+            return
+        runtime.autotune_step(self._hvd["step_bytes"])
+        config = runtime.state.config
+        if min(config.fusion_threshold, config.gradient_bucket_bytes) != self._hvd["bucket_cap"]:
+            self._hvd_set_buckets()
 
     def _hvd_groups(self, groups):
         """param id -> group index, from an int (that many groups) or lists of parameters."""
@@ -369,6 +386,11 @@ class _DistributedMixin:
             self._hvd["skip_sync"] = False
 
     def step(self, closure=None):
+        result = self._hvd_step(closure)
+        self._hvd_autotune_step()
+        return result
+
+    def _hvd_step(self, closure):
         h = self._hvd
         if not h["member"]:
             return super().step(closure)
