@@ -18,7 +18,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _spawn  # noqa: E402  (benchmarks/ is not a package)
-from synthetic import build  # noqa: E402
+
+
+def build(kind):
+    """synthetic.py's model, data and loss of ``kind`` (it shares this folder, off the path)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "synthetic", os.path.join(_spawn.HERE, "synthetic.py"))
+    synthetic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synthetic)
+    return synthetic.build(kind)
 
 
 def worker(args):
@@ -90,24 +99,27 @@ def main():
     argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
             "--batch", str(args.batch), "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-    data = _spawn.run_collect("gloo", argv, args.np)
     report = {"np": args.np, "batch_per_rank": args.batch, "steps": args.steps,
               "rounds": args.rounds, "models": {}}
-    print(f"{'model':<12} {'off ms/step':>12} {'on ms/step':>12} {'overhead':>9} "
-          f"{'spread (min..max per-round overhead)':>38} {'trace KiB/step':>15}")
-    for kind in args.models:
-        off, on = data[kind]["off"], data[kind]["on"]
-        per_round = [b / a - 1 for a, b in zip(off, on)]
-        row = {"off_s": off, "on_s": on, "off_median_s": statistics.median(off),
-               "on_median_s": statistics.median(on),
-               "overhead": statistics.median(on) / statistics.median(off) - 1,
-               "overhead_per_round": per_round,
-               "trace_bytes_per_step": data[kind]["trace_bytes_per_step"]}
-        report["models"][kind] = row
-        print(f"{kind:<12} {row['off_median_s'] * 1e3:>12.2f} {row['on_median_s'] * 1e3:>12.2f} "
-              f"{row['overhead'] * 100:>8.1f}% "
-              f"{min(per_round) * 100:>17.1f}% .. {max(per_round) * 100:.1f}%{'':>10} "
-              f"{row['trace_bytes_per_step'] / 1024:>15.1f}", flush=True)
+    print(f"{'model':<12} {'gradients':<11} {'off ms/step':>12} {'on ms/step':>12} "
+          f"{'overhead':>9} {'per-round min..max':>20} {'trace KiB/step':>15}")
+    # gradient buckets (the default: one request per bucket), and one request per gradient
+    # (HOROVOD_GRADIENT_BUCKET_BYTES=0: many more events per step)
+    for layout, env in (("buckets", {}), ("per-tensor", {"HOROVOD_GRADIENT_BUCKET_BYTES": "0"})):
+        data = _spawn.run_collect("gloo", argv, args.np, env=env)
+        for kind in args.models:
+            off, on = data[kind]["off"], data[kind]["on"]
+            per_round = [b / a - 1 for a, b in zip(off, on)]
+            row = {"off_s": off, "on_s": on, "off_median_s": statistics.median(off),
+                   "on_median_s": statistics.median(on),
+                   "overhead": statistics.median(on) / statistics.median(off) - 1,
+                   "overhead_per_round": per_round,
+                   "trace_bytes_per_step": data[kind]["trace_bytes_per_step"]}
+            report["models"][f"{kind}, {layout}"] = row
+            print(f"{kind:<12} {layout:<11} {row['off_median_s'] * 1e3:>12.2f} "
+                  f"{row['on_median_s'] * 1e3:>12.2f} {row['overhead'] * 100:>8.1f}% "
+                  f"{min(per_round) * 100:>9.1f}..{max(per_round) * 100:.1f}%{'':>4} "
+                  f"{row['trace_bytes_per_step'] / 1024:>15.1f}", flush=True)
     _spawn.write_report(args.out, report)
 
 
