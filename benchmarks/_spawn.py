@@ -160,6 +160,15 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
         os.unlink(result)
 
 
+def sibling(name: str):
+    """Another benchmark of this folder as a module (the folder is off sys.path: see above)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parser(doc: str, out_name: str, sizes=None):
     """The options every benchmark has: the hidden worker ones, --quick, --out (JSON under
     benchmarks/results/ by default) and, given default ``sizes``, --sizes."""

@@ -31,15 +31,6 @@ HAND_PICKED = {
 }
 
 
-def build(kind):
-    """synthetic.py's model, data and loss of ``kind`` (it shares this folder, off the path)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "synthetic", os.path.join(_spawn.HERE, "synthetic.py"))
-    synthetic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synthetic)
-    return synthetic.build(kind)
-
 
 def worker(args):
     import torch
@@ -49,7 +40,7 @@ def worker(args):
     hvd.init()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
     gen = torch.Generator().manual_seed(hvd.rank())
-    model, make_batch, lossf = build("mlp")
+    model, make_batch, lossf = _spawn.sibling("synthetic").build("mlp")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())

@@ -20,15 +20,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _spawn  # noqa: E402  (benchmarks/ is not a package)
 
 
-def build(kind):
-    """synthetic.py's model, data and loss of ``kind`` (it shares this folder, off the path)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "synthetic", os.path.join(_spawn.HERE, "synthetic.py"))
-    synthetic = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(synthetic)
-    return synthetic.build(kind)
-
 
 def worker(args):
     import torch
@@ -40,7 +31,7 @@ def worker(args):
     results = {}
     for kind in args.models:
         gen = torch.Generator().manual_seed(hvd.rank())
-        model, make_batch, lossf = build(kind)
+        model, make_batch, lossf = _spawn.sibling("synthetic").build(kind)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
