@@ -38,7 +38,8 @@ def body_train():
         history.append((config.fusion_threshold, config.cycle_time_ms,
                         config.gradient_bucket_bytes, engine.config.cache_capacity,
                         engine._cycle_s, opt._hvd["bucket_cap"], len(opt._hvd["buckets"]),
-                        None if tuner is None else tuner.frozen))
+                        None if tuner is None else tuner.frozen,
+                        engine.comms.hierarchical_allreduce, engine.comms.hierarchical_allgather))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return history, params
 
@@ -76,6 +77,22 @@ def test_every_rank_takes_each_setting_at_the_same_step_and_results_do_not_chang
     assert [rows[-1][k] for k in keys] == [best[k] for k in keys]
     final = histories[0][-1]
     assert [str(final[0]), repr(final[1]), str(final[2])] == [best[k] for k in keys]
+
+
+def test_hierarchy_is_tuned_where_there_are_nodes():
+    """2 pretend nodes of 2 ranks: hierarchical allreduce and allgather join the search, and
+    switching them between steps keeps every rank in step and the results those of a plain run
+    (to rounding: hierarchical sums add in another order)."""
+    env = dict(BAD, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_WARMUP_SAMPLES="0",
+               HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="2", HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="10")
+    nodes = ["node-a", "node-a", "node-b", "node-b"]
+    tuned = run_ranks(body_train, 4, "gloo", env=env, hostnames=nodes, timeout=150)
+    plain = run_ranks(body_train, 4, "gloo", env=BAD, hostnames=nodes, timeout=150)
+    histories = [h for h, _ in tuned]
+    assert all(h == histories[0] for h in histories)
+    assert {h[8] for h in histories[0]} == {False, True}    # hierarchical allreduce off and on
+    for (_, params), (_, reference) in zip(tuned, plain):
+        assert torch.allclose(params, reference, rtol=1e-5, atol=1e-6)
 
 
 def test_bayesian_search_finds_the_best_region_of_a_known_surface():
