@@ -1,7 +1,8 @@
 """Start benchmark ranks: local processes over Gloo, mpirun, or hosts of the network lab.
 
-Benchmarks only use the public API inside the ranks; this module only starts processes the way a
-launcher would (HOROVOD_* variables for Gloo, mpirun for MPI, `ip netns exec` for lab hosts).
+Benchmarks only use the public API inside the ranks; this module starts processes the way a
+launcher would (HOROVOD_* variables for Gloo, mpirun for MPI, `ip netns exec` for lab hosts) and
+holds what the benchmarks share: timing in blocks, reports, options.
 """
 import contextlib
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -158,6 +160,37 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
             return json.load(f)
     finally:
         os.unlink(result)
+
+
+def per_call(fn, calls, barrier, gap_s=0.0):
+    """Seconds per call over ``calls`` calls started together on every rank; with ``gap_s``,
+    each call follows that much busy work (not counted), as a training step computes between
+    its reductions.  One call first, not counted: the method before this one (eight buffers
+    for hvd_x8) has evicted this one's buffer from the caches, and at 16 MiB that first cold
+    call alone would add ~10% to a block of eight."""
+    fn()
+    barrier()
+    clock = time.perf_counter
+    t0 = clock()
+    for _ in range(calls):
+        if gap_s:
+            until = clock() + gap_s
+            while clock() < until:
+                pass
+        fn()
+    return (clock() - t0) / calls - gap_s
+
+
+def interleaved_blocks(methods, calls: int, blocks: int, barrier):
+    """Seconds per call of each method (name -> function), ``blocks`` samples each: a sample
+    is ``calls`` back-to-back calls started together on every rank (``per_call``), and the
+    methods take turns block by block, so that drift on this shared machine hits them alike.
+    Every rank must pass the same ``calls`` and ``blocks``."""
+    samples = {name: [] for name in methods}
+    for _ in range(blocks):
+        for name, fn in methods.items():
+            samples[name].append(per_call(fn, calls, barrier))
+    return samples
 
 
 def sibling(name: str):

@@ -4,14 +4,14 @@
     python benchmarks/adasum.py --quick      # 3 sizes, np=2, shorter runs
 
 Both ops reduce the same float32 values in place (hvd.allreduce_, the buffer refilled before
-each call, outside the timing), taking turns call by call so that drift on a shared machine hits
-both alike; the table gives medians and the ratio
-Adasum / Sum.  JSON goes to ``--out``.
+each call).  They are timed in blocks of back-to-back calls that start together after a barrier
+(outside the timing), as allreduce.py does, taking turns block by block so that drift on a
+shared machine hits both alike; the refill's own time, measured the same way, is subtracted.
+The table gives the medians over blocks and the ratio Adasum / Sum.  JSON goes to ``--out``.
 """
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _spawn  # noqa: E402  (benchmarks/ is not a package)
@@ -32,26 +32,26 @@ def worker(args):
         gradient = torch.randn(size // 4, generator=g)
         buf = gradient.clone()
 
-        def call(op):
-            # Every call reduces the same fresh values, as a step reduces fresh gradients
-            # (reducing the result again would double it under Sum until it overflows).
-            buf.copy_(gradient)
-            t0 = time.perf_counter()
-            hvd.allreduce_(buf, op=ops[op], name=f"bench.{op}")
-            return time.perf_counter() - t0
-
-        for op in ops:
+        # Every call reduces the same fresh values, as a step reduces fresh gradients
+        # (reducing the result again would double it under Sum until it overflows).
+        methods = {op: (lambda op=op: (buf.copy_(gradient),
+                                       hvd.allreduce_(buf, op=ops[op], name=f"bench.{op}")))
+                   for op in ops}
+        methods["refill"] = lambda: buf.copy_(gradient)
+        for fn in methods.values():
             for _ in range(3):   # warm-up: connections, scratch buffers
-                call(op)
-        probe = statistics.median(call("adasum") for _ in range(3))
-        reps = int(min(300, max(5, args.seconds / max(probe, 1e-6) / len(ops))))
-        reps = hvd.broadcast_object(reps, root_rank=0)  # every rank makes the same calls
-        samples = {op: [] for op in ops}
-        for _ in range(reps):
-            for op in ops:
-                samples[op].append(call(op))
-        rows.append({"size": size, "reps": reps,
-                     **{f"{op}_us": statistics.median(ts) * 1e6 for op, ts in samples.items()}})
+                fn()
+        probe = _spawn.per_call(methods["adasum"], 3, hvd.barrier)
+        calls = int(min(50, max(1, 0.05 / max(probe, 1e-6))))     # blocks of ~50 ms
+        blocks = int(min(100, max(5, args.seconds / (probe * calls * len(ops)))))
+        calls, blocks = hvd.broadcast_object((calls, blocks), root_rank=0)  # the same everywhere
+        samples = _spawn.interleaved_blocks(methods, calls, blocks, hvd.barrier)
+        refill = statistics.median(samples.pop("refill"))
+        rows.append({"size": size, "calls": calls, "blocks": blocks,
+                     **{f"{op}_us": (statistics.median(ts) - refill) * 1e6
+                        for op, ts in samples.items()},
+                     **{f"{op}_us_min_max": [(min(ts) - refill) * 1e6, (max(ts) - refill) * 1e6]
+                        for op, ts in samples.items()}})
     if hvd.rank() == 0:
         import json
         with open(args.result, "w") as f:

@@ -33,25 +33,6 @@ KIB = 1024
 SIZES = [4 * KIB * 4 ** i for i in range(7)] + [64 * KIB * KIB]   # 4 KiB .. 16 MiB, 64 MiB
 
 
-def _per_call(fn, calls, barrier, gap_s=0.0):
-    """Seconds per call over ``calls`` calls started together on every rank; with ``gap_s``,
-    each call follows that much busy work (not counted), as a training step computes between
-    its reductions.  One call first, not counted: the method before this one (eight buffers
-    for hvd_x8) has evicted this one's buffer from the caches, and at 16 MiB that first cold
-    call alone would add ~10% to a block of eight."""
-    fn()
-    barrier()
-    clock = time.perf_counter
-    t0 = clock()
-    for _ in range(calls):
-        if gap_s:
-            until = clock() + gap_s
-            while clock() < until:
-                pass
-        fn()
-    return (clock() - t0) / calls - gap_s
-
-
 def worker(args):
     import torch
     import horovod_ext.torch as hvd
@@ -102,8 +83,8 @@ def worker(args):
     for size in args.sizes:
         buf = torch.zeros(size // 4)
         for fn, _ in methods.values():
-            _per_call(lambda: fn(buf), 3, barrier)  # warm-up: connections, caches, allocator
-        probe = _per_call(lambda: in_place(buf), 3, barrier)
+            _spawn.per_call(lambda: fn(buf), 3, barrier)  # warm-up: connections, caches, allocator
+        probe = _spawn.per_call(lambda: in_place(buf), 3, barrier)
         # Blocks of about 20 ms (2..50 calls), as many as fit the time budget.
         calls = int(min(50, max(2, 0.02 / max(probe, 1e-6))))
         blocks = int(min(200, max(3, args.seconds / max(probe * calls, 1e-6) / len(methods))))
@@ -111,7 +92,7 @@ def worker(args):
         samples = {m: [] for m in methods}
         for _ in range(blocks):
             for m, (fn, gap_s) in methods.items():
-                samples[m].append(_per_call(lambda: fn(buf), calls, barrier, gap_s))
+                samples[m].append(_spawn.per_call(lambda: fn(buf), calls, barrier, gap_s))
         row = {"size": size, "calls": calls * blocks}
         for m, ts in samples.items():
             row[f"{m}_us"] = statistics.median(ts) * 1e6 / (8 if m == "hvd_x8" else 1)

@@ -4,8 +4,10 @@
     python benchmarks/onebit.py --lab       # also 2 emulated hosts x 1 rank at 1 Gbit/s (root)
     python benchmarks/onebit.py --quick     # fewer sizes and calls
 
-Prints tables and writes JSON (``--out``).  Per size, the two ops take turns call by call (so
-drift on this shared machine hits both alike); times are medians.  Bytes: what each rank sends
+Prints tables and writes JSON (``--out``).  Per size, the two ops are timed in blocks of
+back-to-back calls that start together after a barrier (outside the timing), taking turns block
+by block so that drift on this shared machine hits both alike; times are medians over blocks,
+the input copy (timed the same way) subtracted.  The lab part runs ``--lab-runs`` times.  Bytes: what each rank sends
 in the compressed allreduce (hvd.OneBit.bytes_sent) against a float32 ring allreduce,
 2 (n-1)/n * 4 * numel.  Pack/unpack: compress (scale + signs) and decompress of float32 input on
 one thread, in GB/s of input.
@@ -54,18 +56,20 @@ def worker(args):
         before = hvd.OneBit.bytes_sent
         onebit()
         per_call = hvd.OneBit.bytes_sent - before
-        reps = min(args.calls * 4, max(2, args.calls * 64 * MIB // size))
-        samples = {"onebit": [], "sum": [], "copy": []}
-        for _ in range(reps):
-            for key, fn in (("onebit", onebit), ("sum", plain), ("copy", copy_only)):
-                t0 = time.perf_counter()
-                fn()
-                samples[key].append(time.perf_counter() - t0)
+        # blocks of a few calls (more for small sizes), at least 5 blocks per op
+        calls = max(1, min(16, 16 * MIB // size))
+        blocks = max(5, min(args.calls * 4, args.calls * 64 * MIB // (size * calls)))
+        samples = _spawn.interleaved_blocks(
+            {"onebit": onebit, "sum": plain, "copy": copy_only}, calls, blocks, hvd.barrier)
         copy_s = statistics.median(samples["copy"])
         n = hvd.size()
-        rows.append({"size": size, "reps": reps,
+        rows.append({"size": size, "calls": calls, "blocks": blocks,
                      "onebit_ms": (statistics.median(samples["onebit"]) - copy_s) * 1e3,
                      "sum_ms": (statistics.median(samples["sum"]) - copy_s) * 1e3,
+                     "onebit_ms_min_max": [(min(samples["onebit"]) - copy_s) * 1e3,
+                                           (max(samples["onebit"]) - copy_s) * 1e3],
+                     "sum_ms_min_max": [(min(samples["sum"]) - copy_s) * 1e3,
+                                        (max(samples["sum"]) - copy_s) * 1e3],
                      "bytes_sent": per_call, "ring_bytes": 2 * (n - 1) / n * 4 * numel})
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
@@ -125,6 +129,7 @@ def main():
     p.add_argument("--lab", action="store_true", help="also 2 emulated hosts x 1 rank (root)")
     p.add_argument("--lab-only", action="store_true", help="only the lab runs")
     p.add_argument("--lab-rate", default="1gbit")
+    p.add_argument("--lab-runs", type=int, default=3, help="repetitions of the lab part")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -151,10 +156,13 @@ def main():
         sizes = [s for s in args.sizes if s >= 16 * MIB] or args.sizes
         hosts = ["nl-0", "nl-1"]
         print(f"\nlab: 2 hosts x 1 rank at {args.lab_rate}, Gloo\n{HEADER}", flush=True)
+        runs = []
         with _spawn.lab(2, args.lab_rate):
-            rows = launch("gloo", 2, sizes, args.calls, hosts=hosts)
-        report["lab"] = {"rate": args.lab_rate, "hosts": hosts, "rows": rows}
-        print_rows("lab gloo np=2", rows)
+            for i in range(args.lab_runs):
+                rows = launch("gloo", 2, sizes, args.calls, hosts=hosts)
+                runs.append(rows)
+                print_rows(f"lab run {i + 1}", rows)
+        report["lab"] = {"rate": args.lab_rate, "hosts": hosts, "runs": runs}
     _spawn.write_report(args.out, report)
 
 

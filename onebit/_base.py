@@ -17,7 +17,8 @@ from horovod_ext.backends import context
 from horovod_ext.backends.topology import Topology
 
 from .compressed_allreduce import (ErrorFeedback, allreduce_average_, compressed_allreduce_,
-                                   hierarchical_compressed_allreduce_, hierarchy_applies)
+                                   hierarchical_average_, hierarchical_compressed_allreduce_,
+                                   hierarchy_applies)
 
 _COUNTERS: Dict[str, "itertools.count"] = defaultdict(itertools.count)
 
@@ -145,8 +146,12 @@ class OnebitOptimizer(torch.optim.Optimizer):
                             for p in f.params]) for f in fused]
 
         def average(topology):
+            hier = self._hierarchical_on(topology)
             for flat in flats:
-                allreduce_average_(flat, topology.world)
+                if hier:   # as the compressed stage: a node sends its gradients across once
+                    hierarchical_average_(flat, topology)
+                else:
+                    allreduce_average_(flat, topology.world)
         self._communicate("grad", average)
         return [f.views(flat) for f, flat in zip(fused, flats)]
 

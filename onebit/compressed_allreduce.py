@@ -254,3 +254,15 @@ def allreduce_average_(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         comm.allreduce(x, ReduceOp.SUM).div_(comm.size)
     return x
 
+
+def hierarchical_average_(x: torch.Tensor, topology: Topology) -> torch.Tensor:
+    """Full-precision in-place average of the flat ``x`` over every rank: reduce-scatter
+    inside the node, allreduce of each rank's shard across nodes, all-gather inside the node,
+    so that a node sends its data across once (the warm-up, hierarchical)."""
+    shard = topology.node_reduce_scatter(x, ReduceOp.SUM)
+    if topology.cross.size > 1:
+        topology.cross.allreduce(shard, ReduceOp.SUM)
+    shard.div_(topology.size)
+    topology.node_allgather(x, shard)
+    return x
+
