@@ -177,13 +177,21 @@ def main():
               f"{results['sum'][np]['steps']:>6} {time.time() - t0:>8.1f}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"settings": {k: v for k, v in vars(args).items()
+        json.dump({"commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+                   "settings": {k: v for k, v in vars(args).items()
                                 if k not in ("worker", "result", "op")},
                    "data": results["sum"][nps[0]]["data"],
                    "results": {op: {str(n): r for n, r in rs.items()}
                                for op, rs in results.items()}}, f, indent=1)
     plot(results, nps, args.out + ".png")
     print(f"data: {results['sum'][nps[0]]['data']}\nwrote {args.out}.json and {args.out}.png")
+
+
+def _commit() -> str:
+    """The checkout's commit, for the record (empty outside a git checkout)."""
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                           capture_output=True, text=True)
+    return found.stdout.strip() if found.returncode == 0 else ""
 
 
 if __name__ == "__main__":
