@@ -22,8 +22,11 @@ setup(
     # Optional C kernels (plain C, loaded with ctypes): without a compiler the build skips them and
     # the torch code runs instead.
     # -fno-math-errno: sqrt without errno checks (vectorisable); IEEE results are unchanged.
-    ext_modules=[Extension(f"{package}._kernels", [f"{package}/_kernels.c"], optional=True,
+    ext_modules=[Extension(module, [source], optional=True,
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"])
-                 for package in ("adasum", "onebit", "slamb")],
+                 for module, source in (("adasum._kernels", "adasum/_kernels.c"),
+                                        ("onebit._kernels", "onebit/_kernels.c"),
+                                        ("horovod_ext.backends._lamb_kernels",
+                                         "horovod_ext/backends/_lamb_kernels.c"))],
     entry_points={"console_scripts": ["hvdrun = launch.run:main"]},
 )

@@ -4,9 +4,15 @@
     python benchmarks/synthetic.py --np 2 --quick
 
 In the spirit of Horovod's pytorch_synthetic_benchmark: random data, a fixed number of timed
-steps after warm-up.  Both methods run inside the same ranks (Gloo), taking turns in rounds, so
-machine drift hits both.  Prints a table (samples/s over all ranks, and scaling efficiency
-against np=1) and writes JSON.
+steps after warm-up.  Every method runs inside the same ranks (Gloo, one torch.distributed
+process group that horovod_ext shares), taking turns in rounds, so machine drift hits all alike:
+  hvd        hvd.DistributedOptimizer (gradient buckets, the default)
+  ddp        DistributedDataParallel (defaults)
+  ddp_view   DistributedDataParallel(gradient_as_bucket_view=True), its closest setting to ours
+  ddp_alone  DDP again, with horovod_ext shut down for the round (hvd.shutdown(), then
+             hvd.init() again after it): what horovod_ext's idle engine costs DDP's turns
+Prints a table (samples/s over all ranks, ratios, and scaling efficiency against np=1) and
+writes JSON.
 """
 import json
 import os
@@ -53,6 +59,11 @@ def worker(args):
     import torch.distributed as dist
     import horovod_ext.torch as hvd
 
+    # The process group is the job's own, so that DDP keeps it while horovod_ext is shut down.
+    rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=size,
+                            init_method=f"tcp://{os.environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
+                                        f"{os.environ['BENCH_DDP_PORT']}")
     hvd.init()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
     results = {}
@@ -64,10 +75,12 @@ def worker(args):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         runners["hvd"] = (model, opt)
-        ddp_base, _, _ = build(kind)
-        ddp = (torch.nn.parallel.DistributedDataParallel(ddp_base) if hvd.size() > 1
-               else ddp_base)
-        runners["ddp"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
+        for name, view in (("ddp", False), ("ddp_view", True)):
+            base, _, _ = build(kind)
+            ddp = (torch.nn.parallel.DistributedDataParallel(base, gradient_as_bucket_view=view)
+                   if size > 1 else base)
+            runners[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
+        runners["ddp_alone"] = runners["ddp"]
         batches = [make_batch(args.batch, gen) for _ in range(4)]
 
         def steps(name, n):
@@ -78,24 +91,30 @@ def worker(args):
                 lossf(m(x), y).backward()
                 o.step()
 
-        for name in runners:
+        for name in ("hvd", "ddp", "ddp_view"):
             steps(name, args.warmup)
         times = {name: [] for name in runners}
         for _ in range(args.rounds):
             for name in runners:
-                if hvd.size() > 1:
+                if name == "ddp_alone":
+                    hvd.shutdown()
+                if size > 1:
                     dist.barrier()
                 t0 = time.perf_counter()
                 steps(name, args.steps)
                 times[name].append(time.perf_counter() - t0)
+                if name == "ddp_alone":
+                    hvd.init()
         # the slowest rank sets the pace
-        results[kind] = {name: max(hvd.allgather_object(statistics.median(ts)))
-                         for name, ts in times.items()}
+        every = [None] * size
+        dist.all_gather_object(every, {n: statistics.median(ts) for n, ts in times.items()})
+        results[kind] = {name: max(r[name] for r in every) for name in runners}
         results[kind]["params"] = sum(p.numel() for p in model.parameters())
-    if hvd.rank() == 0:
+    if rank == 0:
         with open(args.result, "w") as f:
             json.dump(results, f)
     hvd.shutdown()
+    dist.destroy_process_group()
 
 
 def main():
@@ -113,28 +132,32 @@ def main():
     if args.quick:
         args.steps, args.rounds, args.warmup = 4, 2, 2
 
-    report = {"batch_per_rank": args.batch, "steps": args.steps, "runs": {}}
-    print(f"{'model':<12} {'np':>3} {'hvd samples/s':>14} {'ddp samples/s':>14} "
-          f"{'hvd/ddp':>8} {'hvd eff':>8} {'ddp eff':>8}", flush=True)
+    report = {"batch_per_rank": args.batch, "steps": args.steps, "rounds": args.rounds,
+              "runs": {}}
+    methods = ("hvd", "ddp", "ddp_view", "ddp_alone")
+    print(f"{'model':<12} {'np':>3} " + " ".join(f"{m + ' /s':>13}" for m in methods)
+          + f" {'hvd/ddp':>8} {'hvd/view':>9} {'ddp/alone':>10} {'hvd eff':>8} {'ddp eff':>8}",
+          flush=True)
     base = {}
     for np_ in [int(x) for x in args.np.split(",")]:
         argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
                 "--batch", str(args.batch), "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
-        data = _spawn.run_collect("gloo", argv, np_)
+        data = _spawn.run_collect("gloo", argv, np_, env={"BENCH_DDP_PORT": str(_spawn.free_port())})
         report["runs"][np_] = data
         for kind in args.models:
             row = data[kind]
-            rate = {m: args.batch * np_ * args.steps / row[m] for m in ("hvd", "ddp")}
+            rate = {m: args.batch * np_ * args.steps / row[m] for m in methods}
             if np_ == 1:
                 base[kind] = rate
             eff = {m: rate[m] / (np_ * base[kind][m]) if kind in base else float("nan")
-                   for m in rate}
+                   for m in ("hvd", "ddp")}
             row.update({f"{m}_samples_per_s": rate[m] for m in rate})
             row.update({f"{m}_efficiency": eff[m] for m in eff})
-            print(f"{kind:<12} {np_:>3} {rate['hvd']:>14.1f} {rate['ddp']:>14.1f} "
-                  f"{rate['hvd'] / rate['ddp']:>8.3f} {eff['hvd']:>8.2f} {eff['ddp']:>8.2f}",
-                  flush=True)
+            print(f"{kind:<12} {np_:>3} " + " ".join(f"{rate[m]:>13.1f}" for m in methods)
+                  + f" {rate['hvd'] / rate['ddp']:>8.3f} {rate['hvd'] / rate['ddp_view']:>9.3f}"
+                  f" {rate['ddp'] / rate['ddp_alone']:>10.3f} {eff['hvd']:>8.2f}"
+                  f" {eff['ddp']:>8.2f}", flush=True)
     _spawn.write_report(args.out, report)
 
 

@@ -46,7 +46,6 @@ starts the bucket again from the accumulated gradients (``backward_passes_per_st
 the wasted first sync).  The result is the same as without overlap (one allreduce per bucket
 instead of one per step: the same sums).
 """
-import ctypes
 import itertools
 import math
 import threading
@@ -58,7 +57,7 @@ import torch
 
 from horovod_ext.backends import context
 from horovod_ext.backends import native
-from horovod_ext.backends.lamb import (bias_corrections, check_lamb_args, lamb_update,
+from horovod_ext.backends.lamb import (KERNELS, bias_corrections, check_lamb_args, lamb_update,
                                        trust_ratio)
 from horovod_ext.backends.topology import Topology
 
@@ -67,15 +66,6 @@ from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_, syncs_in
 
 SCALINGS = ("algorithm", "simplified")
 
-_P, _N, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-_LIB = native.load("slamb._kernels", {
-    **{f"hx_slamb_moments_{t}": (_P, _P, _P, _P, _P, _N, _P, _N, _N, _D, _D, _D, _D, _D, _N, _D,
-                                 _P) for t in ("f32", "f64")},
-    **{f"hx_slamb_update_{t}": (_P, _P, _P, _P, _N, _N, _D, _D, _D, _N, _D, _D, _D, _D)
-       for t in ("f32", "f64")}})
-_KERNELS = {} if _LIB is None else {
-    dtype: (getattr(_LIB, f"hx_slamb_moments_{t}"), getattr(_LIB, f"hx_slamb_update_{t}"))
-    for dtype, t in ((torch.float32, "f32"), (torch.float64, "f64"))}
 
 
 def _remove_hooks(handles) -> None:
@@ -477,7 +467,7 @@ class SLAMB(torch.optim.Optimizer):
         they cannot take it (not built, not on the CPU, not contiguous float32/float64)."""
         state = self.state[p]
         m, v, c = state["exp_avg"], state["exp_avg_sq"], state["staleness"]
-        kernels = _KERNELS.get(p.dtype)
+        kernels = KERNELS.get(p.dtype)
         if kernels is None or not native.takes(p.dtype, p, g, m, v, c):
             return False
         moments, update = kernels

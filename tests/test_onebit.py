@@ -312,6 +312,21 @@ def _hier_body():
 
 
 # --- checks ---------------------------------------------------------------------------------
+def adam_on_averaged_gradients(steps: int):
+    """torch.optim.Adam's parameters after ``steps`` steps on the 4 ranks' averaged gradients
+    (zeros where the ranks have none): what a 1-bit optimizer's warm-up must give."""
+    params = [torch.nn.Parameter(p) for p in init_params()]
+    ref = torch.optim.Adam(params, lr=0.01, eps=1e-8)
+    for t in range(1, steps + 1):
+        per_rank = [grads_of(r, t, [p.detach() for p in params]) for r in range(4)]
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                grads = [g[i] for g in per_rank]
+                p.grad = sum(grads) / 4 if grads[0] is not None else torch.zeros_like(p)
+        ref.step()
+    return params
+
+
 def check_opt(history, expected, what):
     assert len(history) == len(expected)
     for t, (got, exp) in enumerate(zip(history, expected)):
@@ -386,16 +401,7 @@ def test_onebit_every_process_count(backend):
             for a, b in zip(straight, resumed):
                 assert torch.equal(a, b), (backend, key, r)
     # warm-up with bias_correction=True is torch.optim.Adam on the averaged gradients
-    params = [torch.nn.Parameter(p) for p in init_params()]
-    ref = torch.optim.Adam(params, lr=0.01, eps=1e-8)
-    for t in range(1, 4):
-        per_rank = [grads_of(r, t, [p.detach() for p in params]) for r in range(4)]
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                grads = [g[i] for g in per_rank]
-                avg = sum(grads) / 4 if grads[0] is not None else torch.zeros_like(p)
-                p.grad = avg
-        ref.step()
+    params = adam_on_averaged_gradients(steps=3)
     for r in range(4):
         got = world[r]["adam_bc"][0][-1]
         for a, b in zip(got[:-1], params[:-1]):
@@ -423,15 +429,7 @@ def test_hierarchical_two_nodes():
         assert results[r][2:4] == (2, 2)
         for a, b in zip(results[r][1], results[0][1]):
             assert torch.equal(a, b) and torch.isfinite(a).all()
-    params = [torch.nn.Parameter(p) for p in init_params()]
-    ref = torch.optim.Adam(params, lr=0.01, eps=1e-8)
-    for t in range(1, 4):
-        per_rank = [grads_of(r, t, [p.detach() for p in params]) for r in range(4)]
-        with torch.no_grad():
-            for i, p in enumerate(params):
-                grads = [g[i] for g in per_rank]
-                p.grad = sum(grads) / 4 if grads[0] is not None else torch.zeros_like(p)
-        ref.step()
+    params = adam_on_averaged_gradients(steps=3)
     for r in range(4):
         for a, b in zip(results[r][4][:-1], params[:-1]):
             torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-5)

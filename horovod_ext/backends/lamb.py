@@ -16,18 +16,34 @@ The clip bounds apply to the whole ratio, as the 1-bit LAMB paper does (footnote
 clipping, as in the reference LAMB and DeepSpeed/Apex: a zero bias must still be able to move.
 
 Everything here is torch ops on tensors (no ``.item()``), so it runs on CUDA without host syncs
-and the helpers work equally on one norm or a batch of per-layer norms.
+and the helpers work equally on one norm or a batch of per-layer norms.  On the CPU, float32 and
+float64 tensors take C kernels instead (``_lamb_kernels.c``: two passes over a tensor, shared
+with SLAMB), where setup.py could build them.
 """
+import ctypes
 import math
 from typing import Iterable, Optional, Tuple, Union
 
 import torch
+
+from . import native
 
 Number = Union[float, torch.Tensor]
 
 # DeepSpeed's FusedLamb / OnebitLamb defaults for the clip bounds.
 DEFAULT_MIN_COEFF = 0.01
 DEFAULT_MAX_COEFF = 10.0
+
+_P, _N, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_LIB = native.load("horovod_ext.backends._lamb_kernels", {
+    **{f"hx_lamb_moments_{t}": (_P, _P, _P, _P, _P, _N, _P, _N, _N, _D, _D, _D, _D, _D, _N, _D,
+                                _P) for t in ("f32", "f64")},
+    **{f"hx_lamb_update_{t}": (_P, _P, _P, _P, _N, _N, _D, _D, _D, _N, _D, _D, _D, _D)
+       for t in ("f32", "f64")}})
+# dtype -> (moments pass, update pass): see _lamb_kernels.c
+KERNELS = {} if _LIB is None else {
+    dtype: (getattr(_LIB, f"hx_lamb_moments_{t}"), getattr(_LIB, f"hx_lamb_update_{t}"))
+    for dtype, t in ((torch.float32, "f32"), (torch.float64, "f64"))}
 
 
 def trust_ratio(param_norm: torch.Tensor, update_norm: torch.Tensor,
@@ -108,6 +124,7 @@ class Lamb(torch.optim.Optimizer):
                         bias_correction=bias_correction, min_coeff=min_coeff,
                         max_coeff=max_coeff, eps_inside_sqrt=eps_inside_sqrt)
         super().__init__(params, defaults)
+        self.native_kernels = True   # False: the torch code even where the C kernels are built
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -128,6 +145,8 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
+                if self.native_kernels and self._native_step(p, state, group):
+                    continue
                 update_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
                 u = lamb_update(p, state["exp_avg"], state["exp_avg_sq"], state["step"], beta1,
                                 beta2, group["eps"], group["weight_decay"],
@@ -136,6 +155,29 @@ class Lamb(torch.optim.Optimizer):
                 state["lamb_coeff"] = coeff
                 p.sub_(u * (coeff.to(u.dtype) * group["lr"]))
         return loss
+
+    @staticmethod
+    def _native_step(p: torch.Tensor, state: dict, group: dict) -> bool:
+        """One tensor's step in the C kernels' two passes (the momentum by torch, one pass);
+        False (nothing done) where they cannot take it."""
+        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+        kernels = KERNELS.get(p.dtype)
+        if kernels is None or not native.takes(p.dtype, p, g, m, v):
+            return False
+        moments, update = kernels
+        beta1, beta2 = group["betas"]
+        m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+        bc1, bc2 = bias_corrections(state["step"], beta1, beta2, group["bias_correction"])
+        eps, inside, wd = group["eps"], int(group["eps_inside_sqrt"]), group["weight_decay"]
+        sums = torch.zeros(4, dtype=torch.float64)
+        moments(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), None, p.numel(), None, 0,
+                1, beta2, 0.0, bc1, bc2, eps, inside, wd, sums.data_ptr())
+        coeff = trust_ratio(sums[0].sqrt(), sums[1].sqrt(), group["min_coeff"],
+                            group["max_coeff"])
+        state["lamb_coeff"] = coeff.to(torch.promote_types(p.dtype, torch.float32))
+        update(p.data_ptr(), m.data_ptr(), v.data_ptr(), None, p.numel(), 1, bc1, bc2, eps,
+               inside, wd, float(coeff) * group["lr"], 0.0, 0.0)
+        return True
 
 
 def check_lamb_args(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,

@@ -1,10 +1,13 @@
-/* SLAMB's per-element step (Algorithm 1, lines 10-19) on the CPU, for float32 and float64, in
- * two passes over a tensor instead of about fifteen torch operations:
- *   pass 1 (hx_slamb_moments_*): v = beta2 v + (1 - beta2) g^2; c = beta3 c, then 1 at the
- *     selected elements (line 13); u = m^ / (sqrt(v^) + eps) + weight_decay x (lines 11-12);
- *     the sums of x^2 and u^2 over the tensor and over its selected elements;
- *   pass 2 (hx_slamb_update_*): the same u again, and x -= (a + (b + cc c) c) u, the per-element
- *     coefficient eta~ phi~ that slamb/optimizer.py derives from the four sums (lines 15-19).
+/* LAMB's per-element step on the CPU, for float32 and float64, in two passes over a tensor
+ * instead of about fifteen torch operations; hvd.Lamb (horovod_ext/backends/lamb.py) and SLAMB
+ * (slamb/optimizer.py, Algorithm 1, lines 10-19) share it:
+ *   pass 1 (hx_lamb_moments_*): v = beta2 v + (1 - beta2) g^2; for SLAMB's staleness c (NULL for
+ *     LAMB): c = beta3 c, then 1 at the selected elements (line 13); u = m^ / (sqrt(v^) + eps)
+ *     + weight_decay x (lines 11-12); the sums of x^2 and u^2 over the tensor and over its
+ *     selected elements (all of them when full);
+ *   pass 2 (hx_lamb_update_*): the same u again, and x -= (a + (b + cc c) c) u: LAMB's
+ *     lr * trust ratio (full: x -= a u), or the per-element coefficient eta~ phi~ that SLAMB
+ *     derives from the four sums (lines 15-19).
  *
  * Plain C with no Python API, loaded through ctypes (horovod_ext/backends/native.py); the torch
  * code does the same where this library is not built.  Element-wise values use the same IEEE
@@ -29,7 +32,7 @@ static inline T sqrt_##SFX(T x) { return SQRT(x); }                             
                                                                                               \
 /* sums[0..3] += x.x, u.u, (x.x, u.u over the nidx sorted selected indices idx, all of them   \
  * when full); v, c updated in place. */                                                      \
-KERNEL void hx_slamb_moments_##SFX(                                                           \
+KERNEL void hx_lamb_moments_##SFX(                                                           \
     const T *x, const T *g, const T *m, T *v, T *c, int64_t n, const int64_t *idx,            \
     int64_t nidx, int64_t full, double beta2_, double beta3_, double bc1_, double bc2_,       \
     double eps_, int64_t eps_inside, double wd_, double *sums)                                \
@@ -42,13 +45,13 @@ KERNEL void hx_slamb_moments_##SFX(                                             
     for (int64_t lo = 0; lo < n; lo += BLK) {                                                 \
         const int64_t len = lo + BLK < n ? BLK : n - lo;                                      \
         const T *xb = x + lo, *gb = g + lo, *mb = m + lo;                                     \
-        T *vb = v + lo, *cb = c + lo;                                                         \
+        T *vb = v + lo, *cb = c ? c + lo : (T *)0;                                            \
         for (int64_t i = 0; i < len; i++) {                                                   \
             const T vn = vb[i] * beta2 + (one_minus_beta2 * gb[i]) * gb[i];                   \
             vb[i] = vn;                                                                       \
             u[i] = eps_inside ? (mb[i] / bc1) / sqrt_##SFX(vn / bc2 + eps) + wd * xb[i]       \
                               : (mb[i] / bc1) / (sqrt_##SFX(vn / bc2) + eps) + wd * xb[i];    \
-            cb[i] = full ? (T)1 : cb[i] * beta3;                                              \
+            if (c) cb[i] = full ? (T)1 : cb[i] * beta3;                                       \
         }                                                                                     \
         int64_t i = 0;                                                                        \
         for (; i + 8 <= len; i += 8)                                                          \
@@ -75,7 +78,7 @@ KERNEL void hx_slamb_moments_##SFX(                                             
 }                                                                                             \
                                                                                               \
 /* x -= (a + (b + cc c) c) u, u as in pass 1 (x not yet changed); with full, x -= a u. */     \
-KERNEL void hx_slamb_update_##SFX(                                                            \
+KERNEL void hx_lamb_update_##SFX(                                                            \
     T *x, const T *m, const T *v, const T *c, int64_t n, int64_t full, double bc1_,           \
     double bc2_, double eps_, int64_t eps_inside, double wd_, double a_, double b_,           \
     double cc_)                                                                               \

@@ -1,0 +1,73 @@
+"""The published figures come from data: every ratio and percentage in docs/results.md's headline
+table is a value (as printed, rounded) of a JSON file that its row names."""
+import json
+import os
+import re
+
+import pytest
+
+from tests.harness import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+DOCS = os.path.join(REPO, "docs")
+# "5.7x", "1.10-1.25x", "88.71%", "+1.72": a figure is a number with a unit, or a range of them
+FIGURE = re.compile(r"(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?\s*(x|%)")
+
+
+def _numbers(node, out):
+    if isinstance(node, bool):
+        return
+    if isinstance(node, (int, float)):
+        out.append(float(node))
+    elif isinstance(node, dict):
+        for value in node.values():
+            _numbers(value, out)
+    elif isinstance(node, list):
+        for value in node:
+            _numbers(value, out)
+
+
+def _data_values(paths):
+    values = []
+    for path in paths:
+        with open(os.path.join(REPO, path)) as f:
+            _numbers(json.load(f), values)
+    return values
+
+
+def _headline_figures():
+    with open(os.path.join(DOCS, "results.md")) as f:
+        text = f.read()
+    table = text.split("## Headlines")[1].split("\n\n")[1]
+    rows = [line for line in table.splitlines() if line.startswith("|")][2:]
+    assert rows, "no headline table found"
+    figures = []
+    for row in rows:
+        cells = row.split("|")
+        claim, measured, where = cells[1].strip(), cells[2], cells[3]
+        sources = re.findall(r"docs/[\w/.-]+\.json", where)
+        assert sources, f"the headline row {claim!r} names no data file"
+        for low, high, unit in FIGURE.findall(measured):
+            for number in (low, high):
+                if number:
+                    figures.append((number, unit, claim, tuple(sources)))
+    return figures
+
+
+def _matches(number: str, unit: str, value: float) -> bool:
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    target = float(number)
+    candidates = [value, 100 * value] if unit == "%" else [value]
+    # ratios may be printed from either side (fewer bytes: baseline / method)
+    if unit == "x" and value:
+        candidates.append(1 / value)
+    return any(abs(round(c, decimals) - target) < 10 ** -decimals / 2 + 1e-9 for c in candidates)
+
+
+def test_every_headline_figure_is_in_the_data():
+    figures = _headline_figures()
+    assert len(figures) >= 10
+    missing = [(number + unit, claim, sources) for number, unit, claim, sources in figures
+               if not any(_matches(number, unit, v) for v in _data_values(sources))]
+    assert not missing, f"headline figures with no value behind them in their data: {missing}"
