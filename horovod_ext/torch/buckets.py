@@ -5,16 +5,14 @@ of consecutive parameters out back to back in one flat buffer per bucket and poi
 parameter's ``.grad`` at its slice, as DDP's ``gradient_as_bucket_view`` does.  Autograd then
 accumulates straight into the bucket, and a bucket is reduced in place with one collective once
 all its gradients are in: no packing or unpacking copies, and a few large transfers instead of
-one per tensor (each Gloo call costs ~1 ms of latency here; a 3-layer MLP went from 3-4 calls
-per step to 1).
+one per tensor (each call has a fixed latency: about 1 ms for Gloo between processes here).
 
 Buckets follow the reverse of the parameter order, the order backward produces gradients in, and
 hold up to HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
 HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
 as in Horovod).  There is no small first bucket as DDP has: a separate reduction for the last
-layers, run by this engine's Python thread while backward computes, cost more than it saved on
-a 2-core machine (MLP at np=2: 0.86-0.88x DDP's throughput with a 1 MiB first bucket,
-0.94-0.99x without).  A ``.grad`` that is not the bucket's slice when it is ready
+layers, run by this engine's Python thread while backward computes, competes with backward for
+the cores and cost more than it saved on a 2-core machine.  A ``.grad`` that is not the bucket's slice when it is ready
 (after ``zero_grad(set_to_none=True)``, the default, a user's assignment, ``create_graph``
 backward) is copied in and the slice takes its place.  The default zero_grad relies on that on
 purpose: one copy of autograd's fresh gradient costs less than zeroing the bucket and then
