@@ -16,8 +16,10 @@ import torch
 
 from adasum import adasum_allreduce_
 
+from .backends import trace
 from .backends.base import ReduceOp, split_sizes
 from .backends.topology import Topology
+from .collectives import node_transport
 from .ops import Op, average_, register_op
 
 class AdasumOp(Op):
@@ -51,10 +53,14 @@ def hierarchical_adasum_(buffer: torch.Tensor, bounds, topology: Topology) -> to
     flat = buffer.view(-1)
     counts = split_sizes(flat.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
-    shard = average_(topology.node_reduce_scatter(flat, ReduceOp.SUM), topology.local_size)
-    adasum_allreduce_(shard, bounds, topology.cross, order=_node_order(topology),
-                      extra_reduce=topology.local.allreduce, offset=offset)
-    topology.node_allgather(flat, shard)
+    node = node_transport(topology, flat) if trace.recorder is not None else ""
+    with trace.activity(f"{node}_NODE_REDUCESCATTER", trace.nbytes_of(flat)):
+        shard = average_(topology.node_reduce_scatter(flat, ReduceOp.SUM), topology.local_size)
+    with trace.activity("ADASUM_CROSS", trace.nbytes_of(shard)):
+        adasum_allreduce_(shard, bounds, topology.cross, order=_node_order(topology),
+                          extra_reduce=topology.local.allreduce, offset=offset)
+    with trace.activity(f"{node}_NODE_ALLGATHER", trace.nbytes_of(flat)):
+        topology.node_allgather(flat, shard)
     return buffer
 
 

@@ -79,9 +79,10 @@ class Collectives:
             in_node = self.topology.in_node(buffer)
             if in_node is not None and cross_step is None:
                 cross = self.topology.cross
+                tracks = trace.current_tracks()   # the chunks may run on a helper thread
 
                 def cross_allreduce(shard):
-                    with trace.transfer(cross, "CROSS_ALLREDUCE", shard):
+                    with trace.transfer(cross, "CROSS_ALLREDUCE", shard, tracks=tracks):
                         return cross.allreduce(shard, op)
 
                 with trace.activity("SHM_HIERARCHICAL_ALLREDUCE", trace.nbytes_of(buffer)):
@@ -104,7 +105,7 @@ class Collectives:
             return self.world.allgather(tensor, counts)
 
 
-def _node_transport(topology: Topology, tensor: torch.Tensor) -> str:
+def node_transport(topology: Topology, tensor: torch.Tensor) -> str:
     """What carries the in-node steps of ``tensor`` (for the timeline)."""
     return "SHM" if topology.in_node(tensor) is not None else topology.local.transport(tensor)
 
@@ -115,7 +116,7 @@ def hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceO
     counts = split_sizes(flat.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
     tl = trace.recorder
-    node = _node_transport(topology, flat) if tl is not None else ""
+    node = node_transport(topology, flat) if tl is not None else ""
     with trace.activity(f"{node}_NODE_REDUCESCATTER", trace.nbytes_of(flat)):
         shard = topology.node_reduce_scatter(flat, op)
     if cross_step is None:

@@ -126,8 +126,11 @@ class Timeline:
     def tracks(self) -> Tuple[str, ...]:
         return getattr(self._local, "tracks", None) or (OTHER_TRACK,)
 
-    def activity(self, name: str, nbytes: int = 0, args: Optional[dict] = None) -> _Activity:
-        return _Activity(self, name, nbytes, args, self.tracks())
+    def activity(self, name: str, nbytes: int = 0, args: Optional[dict] = None,
+                 tracks: Optional[Tuple[str, ...]] = None) -> _Activity:
+        """``tracks``: where, when not this thread's current ones (work handed to a helper
+        thread, such as the pipelined hierarchical allreduce's cross-node steps)."""
+        return _Activity(self, name, nbytes, args, tracks or self.tracks())
 
     def executing(self, tracks: Sequence[str], name: str, since: Optional[int],
                   nbytes: int = 0) -> _Execution:

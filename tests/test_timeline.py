@@ -113,6 +113,32 @@ def test_every_op_writes_its_phases_on_its_tensors_track(backend, tmp_path):
     assert any(e["name"] == "CYCLE_START" and e["ph"] == "i" for e in events)
 
 
+def body_hierarchical():
+    import horovod_ext.torch as hvd
+    hvd.allreduce(torch.ones(1 << 16), name="big", op=hvd.Sum)          # pipelined, through shm
+    hvd.allreduce(torch.ones(1 << 16), name="ada", op=hvd.Adasum)       # Adasum across nodes
+    hvd.allreduce(torch.ones(1 << 16), name="rk", op=hvd.RandomK(0.5))   # a cross step
+    hvd.allgather(torch.ones(2, 3), name="rows")
+    hvd.shutdown()
+
+
+def test_hierarchical_steps_are_named(tmp_path):
+    path = str(tmp_path / "hier.json")
+    run_ranks(body_hierarchical, 4, "gloo", hostnames=["a", "a", "b", "b"],
+              env={"HOROVOD_TIMELINE": path, "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+                   "HOROVOD_HIERARCHICAL_ALLGATHER": "1"}, timeout=120)
+    tracks = _tracks(_events(path))
+    big = {e["name"] for e in tracks["allreduce.big"]}
+    assert {"SHM_HIERARCHICAL_ALLREDUCE", "GLOO_CROSS_ALLREDUCE"} <= big, big
+    ada = {e["name"] for e in tracks["allreduce.ada"]}
+    assert {"SHM_NODE_REDUCESCATTER", "ADASUM_CROSS", "ADASUM_LEVEL_0",
+            "SHM_NODE_ALLGATHER"} <= ada, ada
+    rk = {e["name"] for e in tracks["allreduce.rk"]}
+    assert {"SHM_NODE_REDUCESCATTER", "CROSS_STEP", "RANDOMK_GATHER", "SHM_NODE_ALLGATHER"} <= rk, rk
+    rows = {e["name"] for e in tracks["allgather.rows"]}
+    assert {"NODE_ALLGATHER", "GLOO_CROSS_ALLGATHER"} <= rows, rows
+
+
 def body_straggler():
     import time
     import horovod_ext.torch as hvd

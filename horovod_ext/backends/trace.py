@@ -37,11 +37,19 @@ def nbytes_of(tensor: Optional[torch.Tensor]) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
-def transfer(comm, what: str, tensor: Optional[torch.Tensor], nbytes: Optional[int] = None):
+def current_tracks():
+    """The calling thread's tracks, to hand to work done on another thread (None when off)."""
+    r = recorder
+    return None if r is None else r.tracks()
+
+
+def transfer(comm, what: str, tensor: Optional[torch.Tensor], nbytes: Optional[int] = None,
+             tracks=None):
     """A data transfer ``what`` (ALLREDUCE, ALLGATHER...) over ``comm``, named by the transport
-    that carries ``tensor`` there (MPI_ALLREDUCE, GLOO_ALLGATHER, NCCL_ALLREDUCE...)."""
+    that carries ``tensor`` there (MPI_ALLREDUCE, GLOO_ALLGATHER, NCCL_ALLREDUCE...);
+    ``tracks`` from ``current_tracks()`` when it runs on another thread."""
     r = recorder
     if r is None:
         return NOTHING
     name = f"{comm.transport(tensor)}_{what}"
-    return r.activity(name, nbytes_of(tensor) if nbytes is None else nbytes, None)
+    return r.activity(name, nbytes_of(tensor) if nbytes is None else nbytes, None, tracks)
