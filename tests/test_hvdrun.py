@@ -448,3 +448,8 @@ def test_readme_example_and_check_build(tools):
     for line in ("Available Controllers:", "    [X] MPI", "    [X] Gloo", "    [ ] NCCL",
                  "    [X] average", "    [X] sum"):
         assert line + "\n" in out, out
+    from horovod_ext.backends.bootstrap import LAUNCH_ORDER
+    order = out.split("hvd.init() finds its world from, in this order:\n")[1].splitlines()
+    assert [line.strip().split("   <-")[0] for line in order[:len(LAUNCH_ORDER)]] == [
+        description for _, description in LAUNCH_ORDER], out
+    assert "a single process   <- this process" in out, out

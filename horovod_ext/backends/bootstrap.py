@@ -1,15 +1,19 @@
 """Start-up: find out how this process was launched and build the world communicator.
 
-Recognised launches, in this order: mpirun (Open MPI, MPICH/Hydra, any PMIx launcher), our own
-launcher's HOROVOD_* variables, torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and a plain
-single process.  The data transport is chosen separately ("mpi" or "gloo"), as Horovod's
+Recognised launches, in this order: hvdrun's elastic driver, mpirun (Open MPI, MPICH/Hydra, any
+PMI or PMIx launcher, ``srun --mpi=pmi2|pmix`` included), our own launcher's HOROVOD_* variables,
+torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a Slurm job step (``srun`` without MPI:
+SLURM_PROCID, SLURM_STEP_NUM_TASKS, the step's first node as the rendezvous), and a plain single
+process.  The data transport is chosen separately ("mpi" or "gloo"), as Horovod's
 HOROVOD_CPU_OPERATIONS does.
 """
 import datetime
+import itertools
 import os
+import re
 import socket
 from dataclasses import dataclass
-from typing import Mapping
+from typing import List, Mapping, Tuple
 
 from .base import Communicator
 
@@ -17,9 +21,27 @@ _MPI_VARS = [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI
              ("PMIX_RANK", "OMPI_UNIVERSE_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")]
 
 
+# How hvd.init() finds its world, in the order it tries (hvdrun --check-build prints this).
+LAUNCH_ORDER = (
+    ("comm", "hvd.init(comm=...): the given MPI communicator"),
+    ("mpirun", "mpirun or a PMI/PMIx launcher, srun --mpi=pmi2|pmix included "
+               "(OMPI_COMM_WORLD_*, PMI_*, PMIX_*)"),
+    ("torch.distributed", "an initialised torch.distributed default group (Ray Train, "
+                          "Lightning), when the data goes over Gloo"),
+    ("elastic", "hvdrun's elastic driver (HOROVOD_ELASTIC_DRIVER)"),
+    ("horovod", "hvdrun or horovod_ext.run (HOROVOD_RANK, HOROVOD_SIZE, "
+                "HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT)"),
+    ("torchrun", "torchrun, Kubeflow PyTorchJob/TrainJob (RANK, WORLD_SIZE, MASTER_ADDR, "
+                 "MASTER_PORT)"),
+    ("slurm", "a Slurm job step, srun (SLURM_PROCID, SLURM_STEP_NUM_TASKS, "
+              "SLURM_STEP_NODELIST, SLURM_JOB_ID)"),
+    ("single", "a single process"),
+)
+
+
 @dataclass
 class Launch:
-    kind: str            # "mpirun", "horovod", "torchrun" or "single"
+    kind: str            # "elastic", "mpirun", "horovod", "torchrun", "slurm" or "single"
     rank: int
     size: int
 
@@ -37,11 +59,79 @@ def detect_launch(env: Mapping[str, str] = os.environ) -> Launch:
     for rank_var, size_var in _MPI_VARS:
         if rank_var in env and size_var in env:
             return Launch("mpirun", _int(env, rank_var), _int(env, size_var))
+    if "PMIX_RANK" in env and "SLURM_STEP_NUM_TASKS" in env:  # srun --mpi=pmix
+        return Launch("mpirun", _int(env, "PMIX_RANK"), _int(env, "SLURM_STEP_NUM_TASKS"))
     if "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env:
         return Launch("horovod", _int(env, "HOROVOD_RANK"), _int(env, "HOROVOD_SIZE"))
     if "RANK" in env and "WORLD_SIZE" in env:
         return Launch("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"))
+    # A step's tasks (srun) have SLURM_STEP_NUM_TASKS; the batch script itself has SLURM_PROCID
+    # and the job's SLURM_NTASKS but is one process.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return Launch("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_STEP_NUM_TASKS"))
     return Launch("single", 0, 1)
+
+
+_HOSTLIST_ITEM = re.compile(r"[^,\[\]]*(?:\[[^\]]*\][^,\[\]]*)*")
+
+
+def expand_hostlist(expression: str) -> List[str]:
+    """The host names of a Slurm hostlist expression: ``node[01-03,07],gpu1`` -> node01,
+    node02, node03, node07, gpu1 (zero padding kept; several bracket groups in one name make
+    every combination, as Slurm does)."""
+    hosts = []
+    pos = 0
+    expression = expression.strip()
+    while pos < len(expression):
+        m = _HOSTLIST_ITEM.match(expression, pos)
+        item = m.group(0)
+        if not item or (m.end() < len(expression) and expression[m.end()] != ","):
+            raise ValueError(f"bad Slurm hostlist {expression!r} at {expression[pos:]!r}")
+        parts = re.split(r"\[([^\]]*)\]", item)
+        choices = []
+        for i, part in enumerate(parts):
+            choices.append([part] if i % 2 == 0 else _expand_ranges(part, expression))
+        hosts.extend("".join(c) for c in itertools.product(*choices))
+        pos = m.end() + 1
+    return hosts
+
+
+def _expand_ranges(ranges: str, expression: str) -> List[str]:
+    out = []
+    for piece in ranges.split(","):
+        low, dash, high = piece.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"bad range {piece!r} in Slurm hostlist {expression!r}")
+        if not dash:
+            out.append(low)
+            continue
+        if int(high) < int(low):
+            raise ValueError(f"range {piece!r} runs backwards in Slurm hostlist {expression!r}")
+        out.extend(str(n).zfill(len(low)) for n in range(int(low), int(high) + 1))
+    return out
+
+
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
+
+
+def slurm_rendezvous(env: Mapping[str, str] = os.environ) -> Tuple[str, int]:
+    """(address, port) where a Slurm step's ranks meet: MASTER_ADDR / MASTER_PORT when set,
+    else the step's first node (task 0 runs there) and a port derived from SLURM_JOB_ID, so
+    every task of the step computes the same one (two concurrent steps of one job need
+    MASTER_PORT)."""
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        nodelist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                    or env.get("SLURM_NODELIST"))
+        if not nodelist:
+            raise RuntimeError("started by srun, but neither SLURM_STEP_NODELIST nor "
+                               "SLURM_JOB_NODELIST is set: set MASTER_ADDR to the first node")
+        addr = expand_hostlist(nodelist)[0]
+    if "MASTER_PORT" in env:
+        return addr, _int(env, "MASTER_PORT")
+    if "SLURM_JOB_ID" not in env:
+        raise RuntimeError("started by srun, but SLURM_JOB_ID is not set: set MASTER_PORT")
+    return addr, SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID") % SLURM_PORT_SPAN
 
 
 def started_by_mpirun(env: Mapping[str, str] = os.environ) -> bool:
@@ -124,7 +214,9 @@ def _create_gloo_world(launch: Launch, timeout: float, use_nccl: bool, env, mpi_
     elif launch.kind == "single":
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=delta)
     else:
-        if launch.kind == "horovod":
+        if launch.kind == "slurm":
+            addr, port = slurm_rendezvous(env)
+        elif launch.kind == "horovod":
             addr = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
             port = _int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT") if "HOROVOD_GLOO_RENDEZVOUS_PORT" in env else None
             if port is None:
