@@ -143,12 +143,12 @@ def lab_run(comm_timeout: float, step_s: float, steps: int):
                                  if line.startswith("hvdrun:")]}
 
 
-def accuracy_run(kill_at: int, epochs: int, max_train: int) -> float:
+def accuracy_run(kill_at: int, epochs: int, max_train: int, seed: int) -> float:
     """Test accuracy of examples/elastic_fashion_mnist.py on 2 workers (2 hosts), worker 1
     killed at its step ``kill_at`` (0: no failure)."""
     cmd = [HVDRUN, "-np", "2", "--min-np", "1", "-H", "127.0.0.1:1,127.0.0.2:1",
            sys.executable, os.path.join(_spawn.REPO, "examples", "elastic_fashion_mnist.py"),
-           "--epochs", str(epochs), "--max-train", str(max_train)]
+           "--epochs", str(epochs), "--max-train", str(max_train), "--seed", str(seed)]
     if kill_at:
         cmd += ["--kill-worker", "1", "--kill-at-step", str(kill_at)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
@@ -193,16 +193,21 @@ def main():
             _spawn.write_report(args.out, report)
             return
     if args.accuracy:
-        # killed a third of the way into training (at 2 workers of 64 samples a step)
+        # killed a third of the way into training (at 2 workers of 64 samples a step); each
+        # run its own seed (model initialisation and data order), the same for both variants
         kill_at = args.epochs * args.max_train // (2 * 64) // 3
-        report["accuracy"] = {"epochs": args.epochs, "max_train": args.max_train,
-                              "kill_at_step": kill_at,
-                              "uninterrupted": accuracy_run(0, args.epochs, args.max_train),
-                              "one_failure": accuracy_run(kill_at, args.epochs, args.max_train)}
-        print(f"test accuracy, examples/elastic_fashion_mnist.py, 2 workers, {args.epochs} "
-              f"epochs of {args.max_train} samples: uninterrupted "
-              f"{report['accuracy']['uninterrupted']:.4f}, worker 1 killed at step {kill_at} "
-              f"{report['accuracy']['one_failure']:.4f}", flush=True)
+        acc = {"epochs": args.epochs, "max_train": args.max_train, "kill_at_step": kill_at,
+               "seeds": [], "uninterrupted": [], "one_failure": []}
+        for run in range(args.runs):
+            seed = 42 + run
+            acc["seeds"].append(seed)
+            acc["uninterrupted"].append(accuracy_run(0, args.epochs, args.max_train, seed))
+            acc["one_failure"].append(accuracy_run(kill_at, args.epochs, args.max_train, seed))
+            print(f"test accuracy, examples/elastic_fashion_mnist.py, 2 workers, {args.epochs} "
+                  f"epochs of {args.max_train} samples, seed {seed}: uninterrupted "
+                  f"{acc['uninterrupted'][-1]:.4f}, worker 1 killed at step {kill_at} "
+                  f"{acc['one_failure'][-1]:.4f}", flush=True)
+        report["accuracy"] = acc
     rows = []
     print(f"{'run':>3} {'recovery s':>11} {'scale-up s':>11}", flush=True)
     for run in range(args.runs):

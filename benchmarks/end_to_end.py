@@ -1,10 +1,11 @@
 """Training throughput, bytes per step and compute/communication split of every optimizer, end to end.
 
-    python benchmarks/end_to_end.py                  # whole matrix, about 20-25 min (lab: root)
-    python benchmarks/end_to_end.py --quick          # reduced matrix, about 4 min
+    python benchmarks/end_to_end.py                  # whole matrix, about 16 min (lab: root)
+    python benchmarks/end_to_end.py --quick          # reduced matrix, about 3 min
     python benchmarks/end_to_end.py --settings loopback-2x1,lab-1gbit-2x1 --methods adam,onebit_adam
-    python benchmarks/end_to_end.py --plot docs/end_to_end.json   # redraw the plots of a report
-    python benchmarks/end_to_end.py --markdown docs/end_to_end.json   # its tables, as results.md
+    python benchmarks/end_to_end.py --plot docs/end_to_end_run3.json   # redraw a report's plots
+    python benchmarks/end_to_end.py --markdown docs/end_to_end_run1.json docs/end_to_end_run2.json \
+        docs/end_to_end_run3.json    # the tables of docs/results.md: medians and ranges of runs
 
 Model: the BERT-like encoder of ``_models.py`` ("base": hidden 512, 6 layers, vocabulary 16384,
 27.5 M parameters) with a masked-language-model loss on synthetic tokens, batch ``--batch`` per

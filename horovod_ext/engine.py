@@ -805,8 +805,11 @@ class Engine:
 
     def _abort(self, name: str, reason: str):
         request = self._local.pop(name, None)
-        self._pending.pop(name, None)
+        metas = self._pending.pop(name, None)
         self._first_seen.pop(name, None)
+        tl = trace.recorder
+        if tl is not None and metas:
+            tl.abandoned(_tracks(name, next(iter(metas.values()))))
         if request is not None:
             request.handle._finish(error=HorovodInternalError(reason))
 

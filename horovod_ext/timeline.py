@@ -149,6 +149,10 @@ class Timeline:
         start = self._negotiating.pop(tracks, end)
         self._records.append(("X", tracks, f"NEGOTIATE_{kind.upper()}", start, end, None))
 
+    def abandoned(self, tracks: Tuple[str, ...]):
+        """A request failed before every rank submitted it: its negotiation never ends."""
+        self._negotiating.pop(tracks, None)
+
     def negotiated_together(self, requests: Sequence[Tuple[Tuple[str, ...], str]], size: int,
                             since: int):
         """Requests (their tracks, their kind) that every rank submitted in the same round,

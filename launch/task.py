@@ -12,13 +12,17 @@ from . import driver
 
 
 def _rank() -> int:
-    """This worker's rank: hvd.rank() once the function initialised horovod_ext (elastic jobs
-    learn their rank only then), else the one its launcher gave it."""
+    """This worker's rank: hvd.rank() while horovod_ext is initialised; in an elastic job,
+    which learns ranks only at init, the rank of its last generation; else the one its launcher
+    gave it."""
     hvd = sys.modules.get("horovod_ext.torch")
     if hvd is not None and hvd.is_initialized():
         return hvd.rank()
-    from horovod_ext.backends.bootstrap import detect_launch
-    return detect_launch(os.environ).rank
+    from horovod_ext.backends import bootstrap
+    launch = bootstrap.detect_launch(os.environ)
+    if launch.kind == "elastic" and bootstrap.elastic_membership is not None:
+        return bootstrap.elastic_membership.rank   # the last generation it was part of
+    return launch.rank
 
 
 def main() -> int:
@@ -27,7 +31,7 @@ def main() -> int:
     func, args, kwargs = driver.loads(client.request(("fetch", launch_rank)))
     try:
         result = func(*args, **kwargs)
-    except BaseException as exc:  # noqa: B902 (SystemExit and KeyboardInterrupt reach the caller too)
+    except BaseException as exc:  # noqa: B902 (SystemExit, KeyboardInterrupt: reported too)
         text = traceback.format_exc()
         try:
             payload = driver.dumps(exc)

@@ -168,3 +168,11 @@ def test_from_a_jupyter_kernel(tmp_path):
     finally:
         client.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_elastic_arguments_start_the_elastic_driver():
+    # min_np/max_np: the workers join through hvdrun's elastic driver and learn their ranks at
+    # hvd.init(); the results still come back in rank order
+    results = horovod_ext.run(allreduce_and_rank, args=(1.0,), np=2, min_np=2, max_np=2,
+                              hosts="localhost:2")
+    assert results == [{"rank": 0, "size": 2, "sum": 3.0}, {"rank": 1, "size": 2, "sum": 3.0}]
