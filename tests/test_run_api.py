@@ -51,7 +51,7 @@ def killed_on_rank_1():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_results_in_rank_order(mode):
-    results = horovod_ext.run(allreduce_and_rank, args=(2.0,), np=2, **mode)
+    results = horovod_ext.run(allreduce_and_rank, args=(2.0,), num_proc=2, **mode)
     # ranks contribute 1 and 2, times 2
     assert results == [{"rank": 0, "size": 2, "sum": 6.0}, {"rank": 1, "size": 2, "sum": 6.0}]
 
@@ -173,6 +173,6 @@ def test_from_a_jupyter_kernel(tmp_path):
 def test_elastic_arguments_start_the_elastic_driver():
     # min_np/max_np: the workers join through hvdrun's elastic driver and learn their ranks at
     # hvd.init(); the results still come back in rank order
-    results = horovod_ext.run(allreduce_and_rank, args=(1.0,), np=2, min_np=2, max_np=2,
-                              hosts="localhost:2")
+    results = horovod_ext.run(allreduce_and_rank, args=(1.0,), num_proc=2, min_num_proc=2,
+                              max_num_proc=2, hosts="localhost:2")
     assert results == [{"rank": 0, "size": 2, "sum": 3.0}, {"rank": 1, "size": 2, "sum": 3.0}]

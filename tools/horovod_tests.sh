@@ -6,6 +6,8 @@
 #   git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod /tmp/horovod
 #   tools/horovod_tests.sh /tmp/horovod mpi 2      # mpirun -np 2
 #   tools/horovod_tests.sh /tmp/horovod gloo 2     # hvdrun -np 2 --gloo
+#   tools/horovod_tests.sh /tmp/horovod mpi 2 as-is    # no edit at all: needs compat/ installed
+#                                                      # (gloo runs under horovodrun then)
 #
 # Each rank's pytest output goes to OUT/rank<r>.<file>.log (OUT: $HVD_TESTS_OUT or
 # /tmp/horovod-tests-BACKEND-NP); the last lines print every rank's summary.  A test that hangs
@@ -14,6 +16,7 @@ set -euo pipefail
 horovod=${1:?usage: tools/horovod_tests.sh HOROVOD_CHECKOUT mpi|gloo NP}
 backend=${2:?usage: tools/horovod_tests.sh HOROVOD_CHECKOUT mpi|gloo NP}
 np=${3:?usage: tools/horovod_tests.sh HOROVOD_CHECKOUT mpi|gloo NP}
+mode=${4:-rewrite}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="$repo/.venv/bin"
 out=${HVD_TESTS_OUT:-/tmp/horovod-tests-$backend-$np}
@@ -22,10 +25,16 @@ out=${HVD_TESTS_OUT:-/tmp/horovod-tests-$backend-$np}
 rm -rf "$out"; mkdir -p "$out/suite"
 cp -r "$horovod/test" "$out/suite/"
 cd "$out/suite/test/parallel"
-sed -i -E 's/^(\s*)(import|from)(\s+)horovod\.torch\b/\1\2\3horovod_ext.torch/' test_torch.py test_adasum_pytorch.py
-# common.py imports a thread helper from Horovod's runner at module level; these tests never
-# call it, so a stand-in keeps the import from failing.
-sed -i 's/^from horovod.runner.util.threads import in_thread$/def in_thread(*args, **kwargs): raise NotImplementedError("not used by these tests")/' ../utils/common.py
+launcher="$bin/hvdrun"
+if [ "$mode" = as-is ]; then
+  "$bin/python" -c "import horovod.torch" || { echo "as-is needs compat/: $bin/pip install ./compat" >&2; exit 2; }
+  launcher="$bin/horovodrun"
+else
+  sed -i -E 's/^(\s*)(import|from)(\s+)horovod\.torch\b/\1\2\3horovod_ext.torch/' test_torch.py test_adasum_pytorch.py
+  # common.py imports a thread helper from Horovod's runner at module level; these tests never
+  # call it, so a stand-in keeps the import from failing.
+  sed -i 's/^from horovod.runner.util.threads import in_thread$/def in_thread(*args, **kwargs): raise NotImplementedError("not used by these tests")/' ../utils/common.py
+fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONPATH="$repo"
 rank='${OMPI_COMM_WORLD_RANK:-${HOROVOD_RANK:-0}}'
 for file in test_torch test_adasum_pytorch; do
@@ -33,7 +42,7 @@ for file in test_torch test_adasum_pytorch; do
   if [ "$backend" = mpi ]; then
     "$bin/mpirun" -np "$np" --oversubscribe --bind-to none bash -c "$cmd" || true
   else
-    "$bin/hvdrun" -np "$np" --gloo bash -c "$cmd" || true
+    "$launcher" -np "$np" --gloo bash -c "$cmd" || true
   fi
   for log in "$out"/rank*."$file".log; do
     echo "$(basename "$log"): $(tail -n 1 "$log")"

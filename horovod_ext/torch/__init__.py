@@ -11,6 +11,7 @@ from ..ops import Average, Max, Min, Op, Product, Sum, register_op, registered_o
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 from .sparse import sparse_allreduce, sparse_allreduce_async
 from ..process_sets import (ProcessSet, add_process_set, global_process_set,
                             remove_process_set)

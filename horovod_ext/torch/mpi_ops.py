@@ -15,7 +15,8 @@ import torch
 from .. import runtime
 from ..engine import JOIN_NAME, Handle, Request
 from ..fast_lane import key_of
-from ..ops import Average, Op, Sum, get_op
+from ..adasum_op import Adasum  # noqa: F401 (Horovod's mpi_ops names every reduction op)
+from ..ops import Average, Max, Min, Op, Product, Sum, get_op  # noqa: F401 (the same)
 from ..process_sets import global_process_set, set_id_of
 from .compression import Compression
 

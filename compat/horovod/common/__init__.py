@@ -1,0 +1,1 @@
+"""``horovod.common``: the names Horovod scripts import from it."""

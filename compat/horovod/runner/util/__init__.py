@@ -1,0 +1,1 @@
+"""``horovod.runner.util``: the helpers Horovod's tests import."""
