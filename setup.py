@@ -8,7 +8,8 @@ setup(
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["horovod_ext", "horovod_ext.*", "adasum", "adasum.*",
-                                    "onebit", "onebit.*", "slamb", "slamb.*", "launch", "launch.*"]),
+                                    "onebit", "onebit.*", "slamb", "slamb.*", "powersgd",
+                                    "powersgd.*", "launch", "launch.*"]),
     python_requires=">=3.9",
     # Pinned so that `pip install torch==2.13.0` (the local CPU wheel) satisfies it and pip never
     # pulls a CUDA build onto a CPU machine.

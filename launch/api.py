@@ -99,6 +99,14 @@ def run(func: Callable, args=(), kwargs=None, num_proc: int = 1,
 
 
 def _outcome(server: driver.Server, status: int, failures: List[str], o) -> list:
+    reported = {r for r, _, _ in server.errors} | set(server.results)
+    dead = _first_rank(failures)
+    if dead is not None and dead not in reported:
+        # it died without a word; the errors of the others are what they saw of its death
+        others = sorted({r for r, _, _ in server.errors})
+        seen = (f"; then rank(s) {', '.join(map(str, others))} failed: "
+                f"{_first_line(server.errors[0])}" if others else "")
+        raise RunError(f"horovod_ext.run: {failures[0]}{seen}", dead)
     if server.errors:
         rank, exc, text = server.errors[0]
         others = sorted({r for r, _, _ in server.errors[1:]} - {rank})
@@ -118,6 +126,14 @@ def _outcome(server: driver.Server, status: int, failures: List[str], o) -> list
                           if missing else ""), rank if rank is not None else
                        (missing[0] if len(missing) == 1 else None))
     return [server.results[r] for r in expected]
+
+
+def _first_line(error) -> str:
+    _, exc, text = error
+    if exc is not None:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "an exception"
 
 
 def _first_rank(failures: List[str]) -> Optional[int]:

@@ -35,6 +35,8 @@ from ..onebit_op import OneBit
 from slamb import SLAMB
 from ..backends.lamb import Lamb
 from ..randomk_op import RandomK
+from ..powersgd_op import PowerSGD
+from .diloco import DiLoCo
 from . import elastic
 from .elastic import HostsUpdatedInterrupt
 

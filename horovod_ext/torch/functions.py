@@ -41,8 +41,13 @@ def broadcast_optimizer_state(optimizer, root_rank=0, process_set=global_process
     if not optimizer.state:
         _zero_missing_grads(optimizer)
     me = runtime.topology().rank
-    state = broadcast_object(optimizer.state_dict() if me == root_rank else None, root_rank,
-                             name="broadcast_optimizer_state", process_set=process_set)
+    state = None
+    if me == root_rank:
+        state = optimizer.state_dict()
+        # an op's per-rank state (error feedback) stays each rank's own
+        state.pop(getattr(optimizer, "_HVD_OP_STATE", None), None)
+    state = broadcast_object(state, root_rank, name="broadcast_optimizer_state",
+                             process_set=process_set)
     if me != root_rank:
         optimizer.load_state_dict(state)
 

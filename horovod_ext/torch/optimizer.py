@@ -445,6 +445,28 @@ class _DistributedMixin:
                 p.copy_(s + d)
         return result
 
+    # The op's own state (PowerSGD's errors and Q factors, 1-bit's errors) travels with the
+    # optimizer's, so that a checkpoint resumes bitwise.
+    _HVD_OP_STATE = "horovod_ext_op_state"
+
+    def state_dict(self):
+        state = super().state_dict()
+        op = self._hvd["op"]
+        if hasattr(op, "state_dict"):
+            state[self._HVD_OP_STATE] = {"op": op.name, "state": op.state_dict()}
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(self._HVD_OP_STATE, None)
+        super().load_state_dict(state_dict)
+        op = self._hvd["op"]
+        if saved is not None and hasattr(op, "load_state_dict"):
+            if saved["op"] != op.name:
+                raise ValueError(f"this checkpoint holds the state of op {saved['op']}, but the "
+                                 f"optimizer reduces with {op.name}")
+            op.load_state_dict(saved["state"])
+
     def zero_grad(self, set_to_none: bool = True):
         """As torch's.  With ``set_to_none`` (the default) autograd hands each parameter a fresh
         gradient, which its hook copies into the bucket: one copy is cheaper than zeroing the

@@ -1,0 +1,108 @@
+"""``hvd.PowerSGD(rank=1, ...)``: PowerSGD as a registry op (adapter over ``powersgd``).
+
+Each request (a gradient, or a group of them) is one fused buffer with its own state: its error
+feedback and its Q factors, kept per request name, so the op never fuses separate requests.
+``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` with several nodes: an exact average inside the node, then
+PowerSGD across nodes among the ranks of the same local rank (every local rank holds the same
+node average and the same state, so they agree).  Its state is part of the DistributedOptimizer's
+``state_dict()`` (bitwise resume).
+
+Name your requests: an unnamed call gets a fresh name, hence fresh (zero) error and a random Q,
+every time.
+"""
+from typing import Dict, Tuple
+
+from powersgd import PowerSGDState, powersgd_allreduce_
+
+from .backends.base import ReduceOp
+from .ops import Op, get_op, register_op
+
+
+class PowerSGDOp(Op):
+    fuse_across_requests = False
+
+    def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
+                 warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+                 use_error_feedback: bool = True, seed: int = 0):
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"PowerSGD rank must be a positive integer, got {rank!r}")
+        if start_iter < 0 or min_compression_rate <= 0 or orthogonalization_epsilon < 0:
+            raise ValueError(f"PowerSGD: start_iter >= 0, min_compression_rate > 0 and "
+                             f"orthogonalization_epsilon >= 0 expected, got {start_iter!r}, "
+                             f"{min_compression_rate!r}, {orthogonalization_epsilon!r}")
+        self.settings = dict(rank=rank, start_iter=start_iter,
+                             min_compression_rate=float(min_compression_rate),
+                             warm_start=bool(warm_start),
+                             orthogonalization_epsilon=float(orthogonalization_epsilon),
+                             use_error_feedback=bool(use_error_feedback), seed=seed)
+        self.name = op_name(**self.settings)
+        self._states: Dict[Tuple[str, ...], PowerSGDState] = {}
+
+    def check_dtype(self, dtype):
+        if not dtype.is_floating_point:
+            return f"op {self.name} compresses floating-point tensors only, not {dtype}"
+        return None
+
+    def allreduce(self, buffer, layers, comms):
+        key = tuple(layer.name for layer in layers) or ("",)
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = PowerSGDState()
+        shapes = [layer.shape for layer in layers] or [tuple(buffer.shape)]
+        numels = [layer.numel for layer in layers] or [buffer.numel()]
+        flat = buffer.view(-1)
+        comm = comms.world
+        if comms.hierarchical_allreduce and comms.hierarchy_applies:
+            topo = comms.topology
+            topo.node_allreduce(flat, ReduceOp.SUM).div_(topo.local_size)
+            comm = topo.cross
+        powersgd_allreduce_(flat, shapes, numels, comm, state, key="/".join(key),
+                            **self.settings)
+        return buffer
+
+    # --- inspection and checkpoints --------------------------------------------------------
+    @property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes_sent for s in self._states.values())
+
+    def state_dict(self) -> dict:
+        """This rank's error and Q of every request (one file per rank)."""
+        return {"settings": dict(self.settings),
+                "states": [(list(k), s.state_dict()) for k, s in self._states.items()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["settings"] != self.settings:
+            raise ValueError(f"a PowerSGD state saved with {state['settings']} cannot be loaded "
+                             f"into {self.name}")
+        self._states = {}
+        for names, value in state["states"]:
+            s = PowerSGDState()
+            s.load_state_dict(value)
+            self._states[tuple(names)] = s
+
+    def reset(self) -> None:
+        self._states = {}
+
+
+def op_name(rank, start_iter, min_compression_rate, warm_start, orthogonalization_epsilon,
+            use_error_feedback, seed) -> str:
+    return (f"powersgd_r{rank}_s{start_iter}_c{min_compression_rate:g}"
+            f"_w{int(warm_start)}_e{orthogonalization_epsilon:g}_f{int(use_error_feedback)}"
+            f"_seed{seed}")
+
+
+def PowerSGD(rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
+             warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+             use_error_feedback: bool = True, seed: int = 0) -> PowerSGDOp:
+    """The PowerSGD op with these settings (torch's ``PowerSGDState`` names; ``start_iter`` is its
+    ``start_powerSGD_iter``), registered under a name made of them: the same object for the
+    same settings, so every rank may call this wherever it needs the op."""
+    op = PowerSGDOp(rank, start_iter, min_compression_rate, warm_start,
+                    orthogonalization_epsilon, use_error_feedback, seed)
+    try:
+        existing = get_op(op.name)
+    except ValueError:
+        return register_op(op)
+    if not isinstance(existing, PowerSGDOp):
+        raise ValueError(f"an op named {op.name!r} is registered already and is not PowerSGD")
+    return existing

@@ -1,0 +1,190 @@
+"""One PowerSGD round over a communicator, as torch's ``powerSGD_hook`` does it per bucket.
+
+For the tensors of one fused buffer (its layers), on every rank:
+
+1. with error feedback, add this rank's error (what earlier rounds failed to send) to the buffer
+   and keep a copy of the sum, ``M``;
+2. 1-D tensors, and matrices (a tensor viewed as ``shape[0]`` x the rest) that rank ``r`` does
+   not shrink by more than ``min_compression_rate`` ((n + m) r >= n m / rate), are averaged in
+   full with one allreduce;
+3. for each other matrix ``M`` (n x m): ``P = M Q`` with this layer's ``Q`` (m x r: random, the
+   same on every rank, in the first round or every round without warm start; else last round's
+   ``Q``, orthogonalised), the ``P`` of all matrices summed in one allreduce and orthogonalised,
+   ``Q = M^T P`` averaged in one allreduce, and ``M`` replaced by ``P Q^T``;
+4. with error feedback, the new error is ``M`` (step 1) minus the result, over the whole buffer
+   (so a fully averaged tensor keeps ``local - average``, as in torch's hook).
+
+Before ``start_iter`` rounds of a buffer it is averaged in full (and its error starts at zero).
+"""
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from horovod_ext.backends import trace
+from horovod_ext.backends.base import Communicator, ReduceOp
+
+
+def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether an n x m matrix is worth sending as rank-``rank`` factors."""
+    return (n + m) * rank * min_compression_rate < n * m
+
+
+def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor:
+    """Orthonormalise the columns of each matrix of the batch ``matrices`` (b x n x r, r <= n),
+    in place: Gram-Schmidt for r <= 2 or half precision, QR otherwise (as torch's hook)."""
+    r = matrices.shape[2]
+    if r <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
+        for i in range(r):
+            col = matrices[:, :, i:i + 1]
+            if epsilon == 0:
+                col.div_(torch.linalg.vector_norm(col, dim=1, keepdim=True))
+            else:
+                col.div_(torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon)
+            if i + 1 < r:
+                rest = matrices[:, :, i + 1:]
+                rest.sub_(col * (col * rest).sum(dim=1, keepdim=True))
+        return matrices
+    q, _ = torch.linalg.qr(matrices)
+    return matrices.copy_(q)
+
+
+@dataclass
+class _Layer:
+    """Where one matrix sits in the buffer and its factors' places in the P and Q memories."""
+    offset: int
+    n: int
+    m: int
+    r: int
+    p_at: int
+    q_at: int
+
+
+@dataclass
+class _Plan:
+    full: List[Tuple[int, int]]          # (offset, numel) of the tensors averaged in full
+    matrices: List[_Layer]
+    p_numel: int
+    q_numel: int
+
+
+@dataclass
+class PowerSGDState:
+    """One fused buffer's state on this rank: its error, its Q memory and its round count."""
+    error: torch.Tensor = None
+    q: torch.Tensor = None
+    rounds: int = 0
+    bytes_sent: int = 0
+    plan: _Plan = field(default=None, repr=False)
+
+    def state_dict(self) -> dict:
+        return {"error": self.error, "q": self.q, "rounds": self.rounds,
+                "bytes_sent": self.bytes_sent}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.error, self.q = state["error"], state["q"]
+        self.rounds, self.bytes_sent = state["rounds"], state["bytes_sent"]
+        self.plan = None
+
+
+def _plan(shapes: Sequence[Tuple[int, ...]], numels: Sequence[int], rank: int,
+          min_compression_rate: float) -> _Plan:
+    full, matrices = [], []
+    offset = p_at = q_at = 0
+    for shape, numel in zip(shapes, numels):
+        if len(shape) >= 2 and numel:
+            n = shape[0]
+            m = numel // n
+            r = min(n, m, rank)
+            if should_compress(n, m, r, min_compression_rate):
+                matrices.append(_Layer(offset, n, m, r, p_at, q_at))
+                p_at += n * r
+                q_at += m * r
+                offset += numel
+                continue
+        full.append((offset, numel))
+        offset += numel
+    return _Plan(full, matrices, p_at, q_at)
+
+
+def _random_q(numel: int, seed: int, key: str, rounds: int, dtype, device) -> torch.Tensor:
+    """The same random numbers on every rank: seeded by (seed, layer names, round)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/{rounds}".encode()))
+    return torch.randn(numel, generator=g, dtype=dtype).to(device)
+
+
+def _average_(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    if comm.size > 1:
+        comm.allreduce(x, ReduceOp.SUM).div_(comm.size)
+    return x
+
+
+def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
+                        numels: Sequence[int], comm: Communicator, state: PowerSGDState,
+                        rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
+                        warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+                        use_error_feedback: bool = True, seed: int = 0,
+                        key: str = "") -> torch.Tensor:
+    """Replace the flat ``buffer`` (tensors of ``shapes`` back to back) by its PowerSGD average
+    over ``comm``; ``state`` is this buffer's state on this rank, ``key`` names the buffer (the
+    random Q depends on it).  Returns ``buffer``."""
+    round_index = state.rounds   # torch's state.iter: the first start_iter rounds are plain
+    state.rounds += 1
+    if round_index < start_iter or comm.size == 1:
+        state.bytes_sent += 2 * (comm.size - 1) * buffer.numel() * buffer.element_size() // max(
+            comm.size, 1)
+        return _average_(buffer, comm)
+    if state.plan is None:
+        state.plan = _plan(shapes, numels, rank, min_compression_rate)
+    plan = state.plan
+    if use_error_feedback:
+        if state.error is None:
+            state.error = torch.zeros_like(buffer)
+        buffer.add_(state.error)
+        before = buffer.clone()
+    with trace.activity("POWERSGD_FULL", sum(n for _, n in plan.full) * buffer.element_size()):
+        if plan.full:
+            parts = torch.cat([buffer[o:o + n] for o, n in plan.full])
+            _average_(parts, comm)
+            at = 0
+            for o, n in plan.full:
+                buffer[o:o + n].copy_(parts[at:at + n])
+                at += n
+    if plan.matrices:
+        fresh = state.q is None or not warm_start
+        if state.q is None:
+            state.q = torch.empty(plan.q_numel, dtype=buffer.dtype, device=buffer.device)
+        if fresh:
+            state.q.copy_(_random_q(plan.q_numel, seed, key, round_index, buffer.dtype,
+                                    buffer.device))
+        p = torch.empty(plan.p_numel, dtype=buffer.dtype, device=buffer.device)
+        views = []
+        for layer in plan.matrices:
+            mat = buffer[layer.offset:layer.offset + layer.n * layer.m].view(1, layer.n, layer.m)
+            pv = p[layer.p_at:layer.p_at + layer.n * layer.r].view(1, layer.n, layer.r)
+            qv = state.q[layer.q_at:layer.q_at + layer.m * layer.r].view(1, layer.m, layer.r)
+            views.append((mat, pv, qv))
+        with trace.activity("POWERSGD_P", p.numel() * p.element_size()):
+            for mat, pv, qv in views:
+                orthogonalize_(qv, orthogonalization_epsilon)
+                torch.bmm(mat, qv, out=pv)
+            if comm.size > 1:
+                comm.allreduce(p, ReduceOp.SUM)  # orthogonalised next: no need to average
+        with trace.activity("POWERSGD_Q", state.q.numel() * state.q.element_size()):
+            for mat, pv, qv in views:
+                orthogonalize_(pv, orthogonalization_epsilon)
+                torch.bmm(mat.transpose(1, 2), pv, out=qv)
+            _average_(state.q, comm)
+        for mat, pv, qv in views:
+            torch.bmm(pv, qv.transpose(1, 2), out=mat)
+        element = buffer.element_size()
+        state.bytes_sent += 2 * (comm.size - 1) * (plan.p_numel + plan.q_numel) * element \
+            // comm.size
+    full_numel = sum(n for _, n in plan.full)
+    state.bytes_sent += 2 * (comm.size - 1) * full_numel * buffer.element_size() // comm.size
+    if use_error_feedback:
+        torch.sub(before, buffer, out=state.error)
+    if not warm_start:
+        state.q = None
+    return buffer
