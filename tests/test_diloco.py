@@ -151,3 +151,23 @@ def test_bad_settings():
         hvd.DiLoCo(sgd, fragments=2)
     with pytest.raises(ValueError, match="does not name 2"):
         hvd.DiLoCo(sgd, named_parameters=list(model.named_parameters())[:2])
+
+
+def body_onebit():
+    import horovod_ext.torch as hvd
+    model = _model()
+    opt = hvd.DiLoCo(torch.optim.SGD(model.parameters(), lr=INNER_LR),
+                     named_parameters=model.named_parameters(), sync_every=H, op=hvd.OneBit)
+    for step in range(H * ROUNDS):
+        _local_step(model, opt, hvd.rank(), step)
+    return [p.detach().clone() for p in model.parameters()], hvd.OneBit.bytes_sent
+
+
+def test_a_one_bit_pseudo_gradient():
+    (a, sent), (b, _) = run_ranks(body_onebit, 2, "gloo")
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)           # every rank continues from the same parameters
+    exact = _reference(2, MU, True)
+    assert any(not torch.allclose(x, y) for x, y in zip(a, exact))  # compressed: not exact
+    numel = sum(p.numel() for p in _model().parameters())
+    assert 0 < sent < ROUNDS * numel * 8  # below a float64 ring allreduce of every round

@@ -222,12 +222,19 @@ def body_bad_arguments():
             errors[key] = None
         except (ValueError, TypeError, NotImplementedError) as exc:
             errors[key] = f"{type(exc).__name__}: {exc}"
-    h = hvd.allreduce_async(torch.ones(2), name="dup")
-    try:
-        hvd.allreduce_async(torch.ones(2), name="dup")
-        errors["duplicate"] = None
-    except ValueError as exc:
-        errors["duplicate"] = str(exc)
+    # Rank 1 submits "dup" only after rank 0's second submission, so rank 0's first one is
+    # certainly still in flight then ("sync" is reduced while "dup" waits).
+    if hvd.rank() == 0:
+        h = hvd.allreduce_async(torch.ones(2), name="dup")
+        try:
+            hvd.allreduce_async(torch.ones(2), name="dup")
+            errors["duplicate"] = None
+        except ValueError as exc:
+            errors["duplicate"] = str(exc)
+        hvd.allreduce(torch.ones(1), name="sync")
+    else:
+        hvd.allreduce(torch.ones(1), name="sync")
+        h = hvd.allreduce_async(torch.ones(2), name="dup")
     hvd.synchronize(h)
     return errors
 

@@ -44,8 +44,10 @@ def _random(numel, key, round_index):
     return torch.randn(numel, generator=g, dtype=torch.float64)
 
 
-def _simulate(size, shapes, key, rank_r, warm):
-    """Per step, per rank: the reduced tensors of one request of ``shapes``."""
+def _simulate(size, shapes, key, rank_r, warm, grad=None):
+    """Per step, per worker: the reduced tensors of one request of ``shapes``; ``grad(worker,
+    step, shape)`` gives the workers' gradients (default: the ranks')."""
+    grad = grad or _grad
     numels = [int(torch.Size(s).numel()) for s in shapes]
     compress = []
     for s, numel in zip(shapes, numels):
@@ -56,7 +58,7 @@ def _simulate(size, shapes, key, rank_r, warm):
     qs = None
     results = []
     for step in range(STEPS):
-        grads = [[_grad(r, step, s).reshape(-1) for s in shapes] for r in range(size)]
+        grads = [[grad(r, step, s).reshape(-1) for s in shapes] for r in range(size)]
         if step < START:
             avg = [sum(grads[r][i] for r in range(size)) / size for i in range(len(shapes))]
             results.append([[a.clone() for a in avg] for _ in range(size)])
@@ -121,6 +123,24 @@ def test_rank_1_without_warm_start(backend):
         for step, got in enumerate(steps):
             for i in range(len(GROUP)):
                 torch.testing.assert_close(got[i].reshape(-1), group[step][r][i],
+                                           rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hierarchical_is_a_node_average_then_powersgd_across_nodes(backend):
+    """Two pretend nodes of 2 ranks: every rank of node n ends with what one PowerSGD worker
+    whose gradient is its node's average would get."""
+    results = run_ranks(body, 4, backend, args=(2, True), hostnames=["a", "a", "b", "b"],
+                        env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
+
+    def node_grad(node, step, shape):
+        return (_grad(2 * node, step, shape) + _grad(2 * node + 1, step, shape)) / 2
+
+    group = _simulate(2, GROUP, "group.0/group.1/group.2", 2, True, node_grad)
+    for r, (steps, _) in enumerate(results):
+        for step, got in enumerate(steps):
+            for i in range(len(GROUP)):
+                torch.testing.assert_close(got[i].reshape(-1), group[step][r // 2][i],
                                            rtol=1e-9, atol=1e-9)
 
 
