@@ -8,6 +8,7 @@ from typing import Callable, List, Optional
 
 from . import driver, netinfo, options
 from . import run as hvdrun
+from .supervise import Failure
 
 
 class RunError(RuntimeError):
@@ -90,7 +91,7 @@ def run(func: Callable, args=(), kwargs=None, num_proc: int = 1,
     server = driver.Server(driver.dumps((func, tuple(args), dict(kwargs or {}))), bind)
     o.extra_env = {"HOROVOD_RUN_DRIVER": driver.describe(reach, server.port),
                    "HOROVOD_RUN_KEY": server.key_hex}
-    failures: List[str] = []
+    failures: List[Failure] = []
     try:
         status = hvdrun.launch(o, failures)
     finally:
@@ -98,15 +99,15 @@ def run(func: Callable, args=(), kwargs=None, num_proc: int = 1,
     return _outcome(server, status, failures, o)
 
 
-def _outcome(server: driver.Server, status: int, failures: List[str], o) -> list:
+def _outcome(server: driver.Server, status: int, failures: List[Failure], o) -> list:
     reported = {r for r, _, _ in server.errors} | set(server.results)
-    dead = _first_rank(failures)
+    dead = failures[0].rank if failures else None
     if dead is not None and dead not in reported:
         # it died without a word; the errors of the others are what they saw of its death
         others = sorted({r for r, _, _ in server.errors})
         seen = (f"; then rank(s) {', '.join(map(str, others))} failed: "
                 f"{_first_line(server.errors[0])}" if others else "")
-        raise RunError(f"horovod_ext.run: {failures[0]}{seen}", dead)
+        raise RunError(f"horovod_ext.run: {failures[0].message}{seen}", dead)
     if server.errors:
         rank, exc, text = server.errors[0]
         others = sorted({r for r, _, _ in server.errors[1:]} - {rank})
@@ -119,8 +120,9 @@ def _outcome(server: driver.Server, status: int, failures: List[str], o) -> list
     expected = range(o.np) if not o.elastic else sorted(server.results)
     missing = [r for r in expected if r not in server.results]
     if status != 0 or missing:
-        why = "; ".join(failures) or f"the launcher ended with exit status {status}"
-        rank = _first_rank(failures)
+        why = "; ".join(f.message for f in failures) or \
+            f"the launcher ended with exit status {status}"
+        rank = failures[0].rank if failures else None
         raise RunError(f"horovod_ext.run: {why}"
                        + (f"; no result from rank(s) {', '.join(map(str, missing))}"
                           if missing else ""), rank if rank is not None else
@@ -134,11 +136,3 @@ def _first_line(error) -> str:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "an exception"
-
-
-def _first_rank(failures: List[str]) -> Optional[int]:
-    for line in failures:
-        words = line.split()
-        if len(words) > 1 and words[0] == "rank" and words[1].isdigit():
-            return int(words[1])
-    return None

@@ -99,7 +99,6 @@ class Server:
         self.payload = payload
         self.results: Dict[int, object] = {}
         self.errors: List[Tuple[int, Optional[BaseException], str]] = []
-        self.fetched: List[int] = []
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -131,7 +130,6 @@ class Server:
             kind, rank = message[0], message[1]
             with self._lock:
                 if kind == "fetch":
-                    self.fetched.append(rank)
                     reply = self.payload
                 elif kind == "result":
                     self.results[rank] = loads(message[2])

@@ -194,7 +194,7 @@ def run_mpi(o, failures=None) -> int:
 
 def launch(o, failures=None) -> int:
     """Start and supervise the job that options ``o`` describe; its exit status.  What ended
-    it, when a rank failed, is appended to ``failures`` (one line per failure)."""
+    it, when a rank failed, is appended to ``failures`` (``supervise.Failure``s)."""
     if o.elastic:
         from .elastic import ElasticDriver
         return ElasticDriver(o, _base_env(o), AGENT).run()

@@ -43,11 +43,20 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+@dataclass(frozen=True)
+class Failure:
+    """What ended a job: the rank whose process failed (None: mpirun, or ranks that never
+    started) and the message hvdrun prints."""
+    rank: Optional[int]
+    message: str
+
+
 @dataclass(eq=False)
 class Proc:
     name: str                     # how messages name it: "rank 1 (host b)", "mpirun"
     popen: subprocess.Popen
     agent: bool                   # signals travel as lines to an agent's stdin
+    rank: Optional[int] = None    # None for mpirun, which stands for all ranks
     code: Optional[int] = None
     threads: List[threading.Thread] = field(default_factory=list)
 
@@ -205,7 +214,7 @@ class NotifyServer:
 
 class Supervisor:
     def __init__(self, output: Output, start_timeout: float, rank_hosts: Dict[int, str],
-                 verbose: bool = False, failures: Optional[List[str]] = None):
+                 verbose: bool = False, failures: Optional[List[Failure]] = None):
         self.output = output
         self.failures = failures if failures is not None else []
         self.start_timeout = start_timeout
@@ -230,7 +239,7 @@ class Supervisor:
             stdin=subprocess.PIPE if agent else subprocess.DEVNULL,
             stdout=subprocess.PIPE if pipe_output else None,
             stderr=subprocess.PIPE if pipe_output else None)
-        proc = Proc(name, popen, agent)
+        proc = Proc(name, popen, agent, rank)
         if pipe_output:
             proc.threads = [self.output.pump(popen.stdout, rank, "stdout"),
                             self.output.pump(popen.stderr, rank, "stderr")]
@@ -287,7 +296,7 @@ class Supervisor:
                 if code != 0 and status is None:
                     status = exit_status(code)
                     failure = f"{proc.name} {describe_exit(code)}" + self._missing_note(started)
-                    self.failures.append(failure)
+                    self.failures.append(Failure(proc.rank, failure))
                     self._say(failure + ("; stopping the other ranks" if live else ""))
                     self.stop(signal.SIGTERM)
                     kill_at = now + GRACE_S
@@ -311,8 +320,8 @@ class Supervisor:
             if (status is None and start_deadline is not None and now > start_deadline
                     and len(ready) < len(self.rank_hosts)):
                 status = 1
-                self.failures.append(self._timeout_message(started, ready))
-                self._say(self.failures[-1] + "; stopping all ranks "
+                self.failures.append(Failure(None, self._timeout_message(started, ready)))
+                self._say(self.failures[-1].message + "; stopping all ranks "
                           "(a larger --start-timeout helps if they are only slow to start)")
                 self.stop(signal.SIGTERM)
                 kill_at = now + GRACE_S

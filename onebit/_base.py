@@ -16,7 +16,9 @@ import torch
 from horovod_ext.backends import context
 from horovod_ext.backends.topology import Topology
 
-from .compressed_allreduce import (ErrorFeedback, allreduce_average_, compressed_allreduce_,
+from horovod_ext.backends.base import allreduce_average_
+
+from .compressed_allreduce import (ErrorFeedback, compressed_allreduce_,
                                    hierarchical_average_, hierarchical_compressed_allreduce_,
                                    hierarchy_applies)
 

@@ -248,13 +248,6 @@ def _shard_lengths(numel: int, lengths: Optional[Sequence[int]], offset: int,
         or [count]
 
 
-def allreduce_average_(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    """Full-precision in-place average over ``comm`` (the optimizers' warm-up)."""
-    if comm.size > 1:
-        comm.allreduce(x, ReduceOp.SUM).div_(comm.size)
-    return x
-
-
 def hierarchical_average_(x: torch.Tensor, topology: Topology) -> torch.Tensor:
     """Full-precision in-place average of the flat ``x`` over every rank: reduce-scatter
     inside the node, allreduce of each rank's shard across nodes, all-gather inside the node,

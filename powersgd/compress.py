@@ -23,7 +23,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from horovod_ext.backends import trace
-from horovod_ext.backends.base import Communicator, ReduceOp
+from horovod_ext.backends.base import Communicator, ReduceOp, allreduce_average_
 
 
 def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
@@ -114,10 +114,9 @@ def _random_q(numel: int, seed: int, key: str, rounds: int, dtype, device) -> to
     return torch.randn(numel, generator=g, dtype=dtype).to(device)
 
 
-def _average_(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    if comm.size > 1:
-        comm.allreduce(x, ReduceOp.SUM).div_(comm.size)
-    return x
+def _ring_bytes(numel: int, element_size: int, size: int) -> int:
+    """What one rank sends in a ring allreduce of ``numel`` elements over ``size`` ranks."""
+    return 2 * (size - 1) * numel * element_size // size
 
 
 def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
@@ -132,9 +131,8 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
     round_index = state.rounds   # torch's state.iter: the first start_iter rounds are plain
     state.rounds += 1
     if round_index < start_iter or comm.size == 1:
-        state.bytes_sent += 2 * (comm.size - 1) * buffer.numel() * buffer.element_size() // max(
-            comm.size, 1)
-        return _average_(buffer, comm)
+        state.bytes_sent += _ring_bytes(buffer.numel(), buffer.element_size(), comm.size)
+        return allreduce_average_(buffer, comm)
     if state.plan is None:
         state.plan = _plan(shapes, numels, rank, min_compression_rate)
     plan = state.plan
@@ -146,7 +144,7 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
     with trace.activity("POWERSGD_FULL", sum(n for _, n in plan.full) * buffer.element_size()):
         if plan.full:
             parts = torch.cat([buffer[o:o + n] for o, n in plan.full])
-            _average_(parts, comm)
+            allreduce_average_(parts, comm)
             at = 0
             for o, n in plan.full:
                 buffer[o:o + n].copy_(parts[at:at + n])
@@ -175,14 +173,11 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
             for mat, pv, qv in views:
                 orthogonalize_(pv, orthogonalization_epsilon)
                 torch.bmm(mat.transpose(1, 2), pv, out=qv)
-            _average_(state.q, comm)
+            allreduce_average_(state.q, comm)
         for mat, pv, qv in views:
             torch.bmm(pv, qv.transpose(1, 2), out=mat)
-        element = buffer.element_size()
-        state.bytes_sent += 2 * (comm.size - 1) * (plan.p_numel + plan.q_numel) * element \
-            // comm.size
-    full_numel = sum(n for _, n in plan.full)
-    state.bytes_sent += 2 * (comm.size - 1) * full_numel * buffer.element_size() // comm.size
+    sent = plan.p_numel + plan.q_numel + sum(n for _, n in plan.full)
+    state.bytes_sent += _ring_bytes(sent, buffer.element_size(), comm.size)
     if use_error_feedback:
         torch.sub(before, buffer, out=state.error)
     if not warm_start:

@@ -218,6 +218,11 @@ def test_uninstalling_leaves_horovod_ext(tmp_path, wheel):
     out = _pip("install", "--no-deps", wheel, python=python)
     assert out.returncode == 0, out.stdout + out.stderr
     assert os.path.exists(venv / "bin" / "horovodrun")
+    # every file it installed is its own: the horovod package, its metadata, horovodrun
+    record = _pip("show", "-f", "horovod-ext-compat", python=python).stdout
+    files = [line.strip() for line in record.split("Files:", 1)[1].splitlines() if line.strip()]
+    assert files and all(f.startswith(("horovod/", "horovod_ext_compat-")) or
+                         f.endswith("bin/horovodrun") for f in files), files
     out = _pip("uninstall", "-y", "horovod-ext-compat", python=python)
     assert out.returncode == 0, out.stdout + out.stderr
     assert not os.path.exists(venv / "bin" / "horovodrun")

@@ -3,7 +3,8 @@ localhost with a configuration of their own in a temporary folder): ``srun -n 2`
 example, each task finding its rank and the rendezvous from Slurm's variables alone.
 
 It needs the daemons installed (``.ci/run`` installs them with apt when it runs as root) and
-root; elsewhere it skips, saying why."""
+root; elsewhere it is skipped, saying which is missing.  Where both are there, daemons that do
+not come up are a failure, with their logs."""
 import os
 import shutil
 import socket
@@ -15,7 +16,6 @@ import pytest
 
 from tests.harness import REPO
 
-pytestmark = pytest.mark.timeout(180)
 
 EXAMPLE = os.path.join(REPO, "examples", "hello_allreduce.py")
 DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sinfo")
@@ -82,11 +82,12 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscr
     return path, munge_socket
 
 
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(_missing() is not None, reason=str(_missing()))]
+
+
 @pytest.fixture
 def slurm(tmp_path):
-    why = _missing()
-    if why:
-        pytest.skip(why)
     folder = str(tmp_path)
     host = socket.gethostname().split(".")[0]
     conf, munge_socket = _write_config(folder, host)
@@ -127,7 +128,7 @@ def slurm(tmp_path):
                         logs += f"\n--- {name}\n" + f.read()[-1500:]
                 except OSError:
                     pass
-            pytest.skip(f"the local Slurm did not come up within {START_S:g} s (node state "
+            pytest.fail(f"the local Slurm did not come up within {START_S:g} s (node state "
                         f"{state!r}); its logs:{logs}")
         yield env
     finally:

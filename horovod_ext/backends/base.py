@@ -39,6 +39,13 @@ def split_sizes(total: int, parts: int) -> List[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def allreduce_average_(tensor: "torch.Tensor", comm: "Communicator") -> "torch.Tensor":
+    """``tensor`` replaced in place by its full-precision average over ``comm``; returns it."""
+    if comm.size > 1:
+        comm.allreduce(tensor, ReduceOp.SUM).div_(comm.size)
+    return tensor
+
+
 class Communicator(ABC):
     """A group of ``size`` ranks; this process is ``rank`` in it."""
 

@@ -123,6 +123,7 @@ class RayExecutor:
         self.workers: List[Any] = []      # actor handles in rank order
         self.nodes: List[str] = []        # Ray node id of each rank
         self._pg = None
+        self._owns_pg = False             # False when running in the caller's placement group
 
     # -- start-up ---------------------------------------------------------------------------
 
@@ -145,9 +146,9 @@ class RayExecutor:
         bundles, strategy = self._bundles()
         current = ray.util.get_current_placement_group()
         if self.use_current_placement_group and current is not None:
-            self._pg, owned = current, False
+            self._pg, self._owns_pg = current, False
         else:
-            self._pg, owned = placement_group(bundles, strategy=strategy), True
+            self._pg, self._owns_pg = placement_group(bundles, strategy=strategy), True
             try:
                 ray.get(self._pg.ready(), timeout=self.settings.placement_group_timeout_s)
             except GetTimeoutError:
@@ -157,12 +158,11 @@ class RayExecutor:
                     f"RayExecutor: the cluster could not place {len(bundles)} bundle(s) of "
                     f"{bundles[0]} ({strategy}) within {self.settings.placement_group_timeout_s:g}"
                     f" s; available: {ray.available_resources()}") from None
-        self._owns_pg = owned
         per_bundle = self.num_workers_per_host if self.num_hosts else 1
         actor = ray.remote(_Worker)
         created = []
         for i in range(self.num_workers):
-            bundle = i // per_bundle if owned else -1
+            bundle = i // per_bundle if self._owns_pg else -1
             created.append(actor.options(
                 num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -265,6 +265,6 @@ class RayExecutor:
         for worker in self.workers:
             ray.kill(worker)
         self.workers, self.nodes = [], []
-        if self._pg is not None and getattr(self, "_owns_pg", False):
+        if self._pg is not None and self._owns_pg:
             remove_placement_group(self._pg)
         self._pg = None
