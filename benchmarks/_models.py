@@ -71,3 +71,37 @@ def mlm_loss(model: BertLike, data) -> torch.Tensor:
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+class CharLM(torch.nn.Module):
+    """A small causal transformer over bytes (vocabulary 256): pre-LN decoder layers, learned
+    positions, output tied to the embedding.  The default (hidden 128, 2 layers, 4 heads,
+    context 64) has 0.42 M parameters."""
+
+    def __init__(self, hidden: int = 128, layers: int = 2, heads: int = 4, seq: int = 64):
+        super().__init__()
+        self.seq = seq
+        self.tok = torch.nn.Embedding(256, hidden)
+        self.pos = torch.nn.Embedding(seq, hidden)
+        layer = torch.nn.TransformerEncoderLayer(hidden, heads, 4 * hidden, dropout=0.0,
+                                                 activation="gelu", batch_first=True,
+                                                 norm_first=True)
+        self.body = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(hidden)
+        for table in (self.tok, self.pos):  # GPT-2's scale: unit-variance rows, tied to the
+            torch.nn.init.normal_(table.weight, std=0.02)  # output, make logits in the tens
+        self.register_buffer("causal", torch.nn.Transformer.generate_square_subsequent_mask(seq),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-byte logits (batch, seq, 256) for ``tokens`` (batch, seq)."""
+        n = tokens.shape[1]
+        h = self.tok(tokens) + self.pos.weight[:n]
+        h = self.body(h, mask=self.causal[:n, :n], is_causal=True)
+        return F.linear(self.norm(h), self.tok.weight)
+
+
+def lm_loss(model: CharLM, chunk: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-byte cross-entropy (nats) of ``chunk`` (batch, seq + 1) of byte ids."""
+    logits = model(chunk[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, 256), chunk[:, 1:].reshape(-1), reduction=reduction)

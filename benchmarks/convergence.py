@@ -138,6 +138,28 @@ def evaluate(model, x, y):
     import torch.nn.functional as F
     import horovod_ext.torch as hvd
 
+    def score(net):
+        mine = torch.arange(hvd.rank(), len(y), hvd.size())
+        totals = torch.zeros(3, dtype=torch.float64)
+        for i in range(0, len(mine), 500):
+            idx = mine[i:i + 500]
+            logits = net(x[idx])
+            totals += torch.tensor([float((logits.argmax(1) == y[idx]).sum()),
+                                    float(F.cross_entropy(logits, y[idx], reduction="sum")),
+                                    float(len(idx))], dtype=torch.float64)
+        return totals
+
+    totals, spread = evaluate_averaged(model, score)
+    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), spread
+
+
+def evaluate_averaged(model, score):
+    """``score(model)`` (a float64 tensor of sums over this rank's share of the test data) of
+    the ranks' average model, summed over the ranks, and the largest relative distance of a
+    rank's model to that average.  The training parameters are put back."""
+    import torch
+    import horovod_ext.torch as hvd
+
     params = list(model.parameters())
     with torch.no_grad():
         own = torch.cat([p.detach().reshape(-1) for p in params])
@@ -146,18 +168,10 @@ def evaluate(model, x, y):
                                op=hvd.Max, name="convergence.spread")
         _copy_into(params, avg)
         model.eval()
-        mine = torch.arange(hvd.rank(), len(y), hvd.size())
-        totals = torch.zeros(3, dtype=torch.float64)
-        for i in range(0, len(mine), 500):
-            idx = mine[i:i + 500]
-            logits = model(x[idx])
-            totals += torch.tensor([float((logits.argmax(1) == y[idx]).sum()),
-                                    float(F.cross_entropy(logits, y[idx], reduction="sum")),
-                                    float(len(idx))], dtype=torch.float64)
+        totals = score(model)
         model.train()
         _copy_into(params, own)
-    totals = hvd.allreduce(totals, op=hvd.Sum, name="convergence.eval")
-    return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), spread.item()
+    return hvd.allreduce(totals, op=hvd.Sum, name="convergence.eval"), spread.item()
 
 
 def _copy_into(params, flat):

@@ -32,6 +32,11 @@ class Op:
     # False for ops that keep state per fusion buffer (error feedback): the engine then never
     # fuses separate requests, so each buffer holds the same tensors every step.
     fuse_across_requests: bool = True
+    # True for ops that reduce a bucket's layers together (PowerSGD sends the factors of all a
+    # bucket's matrices in one allreduce each, as DDP's hook does): DistributedOptimizer then
+    # reduces its gradients in fixed groups of consecutive layers, DDP's buckets, one request
+    # each with the tensors' boundaries, instead of one request per gradient.
+    layer_buckets: bool = False
 
     def allreduce(self, buffer: torch.Tensor, layers: Sequence[Layer],
                   comms: Collectives) -> torch.Tensor:

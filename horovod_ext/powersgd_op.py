@@ -2,6 +2,9 @@
 
 Each request (a gradient, or a group of them) is one fused buffer with its own state: its error
 feedback and its Q factors, kept per request name, so the op never fuses separate requests.
+DistributedOptimizer hands it DDP's buckets (consecutive layers up to
+HOROVOD_GRADIENT_BUCKET_BYTES, one request each), so the factors of all a bucket's matrices go
+in one allreduce, as with torch's hook.
 ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` with several nodes: an exact average inside the node, then
 PowerSGD across nodes among the ranks of the same local rank (every local rank holds the same
 node average and the same state, so they agree).  Its state is part of the DistributedOptimizer's
@@ -20,6 +23,7 @@ from .ops import Op, get_op, register_op
 
 class PowerSGDOp(Op):
     fuse_across_requests = False
+    layer_buckets = True
 
     def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, orthogonalization_epsilon: float = 0.0,

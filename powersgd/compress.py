@@ -6,11 +6,13 @@ For the tensors of one fused buffer (its layers), on every rank:
    and keep a copy of the sum, ``M``;
 2. 1-D tensors, and matrices (a tensor viewed as ``shape[0]`` x the rest) that rank ``r`` does
    not shrink by more than ``min_compression_rate`` ((n + m) r >= n m / rate), are averaged in
-   full with one allreduce;
+   full;
 3. for each other matrix ``M`` (n x m): ``P = M Q`` with this layer's ``Q`` (m x r: random, the
    same on every rank, in the first round or every round without warm start; else last round's
-   ``Q``, orthogonalised), the ``P`` of all matrices summed in one allreduce and orthogonalised,
-   ``Q = M^T P`` averaged in one allreduce, and ``M`` replaced by ``P Q^T``;
+   ``Q``, orthogonalised); the ``P`` of all matrices are summed in the same allreduce as the
+   tensors of step 2 and orthogonalised, ``Q = M^T P`` averaged in a second allreduce, and
+   ``M`` replaced by ``P Q^T`` (torch's hook needs three allreduces: it sends step 2's tensors
+   on their own);
 4. with error feedback, the new error is ``M`` (step 1) minus the result, over the whole buffer
    (so a fully averaged tensor keeps ``local - average``, as in torch's hook).
 
@@ -141,34 +143,42 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
             state.error = torch.zeros_like(buffer)
         buffer.add_(state.error)
         before = buffer.clone()
-    with trace.activity("POWERSGD_FULL", sum(n for _, n in plan.full) * buffer.element_size()):
-        if plan.full:
-            parts = torch.cat([buffer[o:o + n] for o, n in plan.full])
-            allreduce_average_(parts, comm)
-            at = 0
-            for o, n in plan.full:
-                buffer[o:o + n].copy_(parts[at:at + n])
-                at += n
+    # The tensors averaged in full travel in the same allreduce as P (a sum: P is
+    # orthogonalised next, so it need not be averaged): one collective fewer per round.
+    full = sum(n for _, n in plan.full)
+    first = torch.empty(full + plan.p_numel, dtype=buffer.dtype, device=buffer.device)
+    at = 0
+    for o, n in plan.full:
+        first[at:at + n].copy_(buffer[o:o + n])
+        at += n
+    views = []
     if plan.matrices:
-        fresh = state.q is None or not warm_start
         if state.q is None:
             state.q = torch.empty(plan.q_numel, dtype=buffer.dtype, device=buffer.device)
+            fresh = True
+        else:
+            fresh = not warm_start
         if fresh:
             state.q.copy_(_random_q(plan.q_numel, seed, key, round_index, buffer.dtype,
                                     buffer.device))
-        p = torch.empty(plan.p_numel, dtype=buffer.dtype, device=buffer.device)
-        views = []
+        p = first[full:]
         for layer in plan.matrices:
             mat = buffer[layer.offset:layer.offset + layer.n * layer.m].view(1, layer.n, layer.m)
             pv = p[layer.p_at:layer.p_at + layer.n * layer.r].view(1, layer.n, layer.r)
             qv = state.q[layer.q_at:layer.q_at + layer.m * layer.r].view(1, layer.m, layer.r)
             views.append((mat, pv, qv))
-        with trace.activity("POWERSGD_P", p.numel() * p.element_size()):
-            for mat, pv, qv in views:
-                orthogonalize_(qv, orthogonalization_epsilon)
-                torch.bmm(mat, qv, out=pv)
-            if comm.size > 1:
-                comm.allreduce(p, ReduceOp.SUM)  # orthogonalised next: no need to average
+    with trace.activity("POWERSGD_FULL_AND_P", first.numel() * first.element_size()):
+        for mat, pv, qv in views:
+            orthogonalize_(qv, orthogonalization_epsilon)
+            torch.bmm(mat, qv, out=pv)
+        if comm.size > 1:
+            comm.allreduce(first, ReduceOp.SUM)
+            first[:full].div_(comm.size)
+        at = 0
+        for o, n in plan.full:
+            buffer[o:o + n].copy_(first[at:at + n])
+            at += n
+    if plan.matrices:
         with trace.activity("POWERSGD_Q", state.q.numel() * state.q.element_size()):
             for mat, pv, qv in views:
                 orthogonalize_(pv, orthogonalization_epsilon)

@@ -65,25 +65,25 @@ class Bucket:
 def plan(params: Sequence[torch.Tensor], cap: int) -> List[Bucket]:
     """Buckets of at most ``cap`` bytes (a bigger tensor alone) over ``params`` in reverse
     order, split where dtype or device changes."""
-    buckets: List[Bucket] = []
+    return [Bucket(i, members) for i, members in enumerate(partition(params, cap))]
+
+
+def partition(params: Sequence[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:
+    """The parameters of each bucket ``plan`` makes, without allocating them."""
+    groups: List[List[torch.Tensor]] = []
     current: List[torch.Tensor] = []
     used = 0
-
-    def close():
-        nonlocal current, used
-        if current:
-            buckets.append(Bucket(len(buckets), current))
-        current, used = [], 0
-
     for p in reversed(list(params)):
         nbytes = p.numel() * p.element_size()
         if current and ((p.dtype, p.device) != (current[0].dtype, current[0].device)
                         or used + nbytes > cap):
-            close()
+            groups.append(current)
+            current, used = [], 0
         current.append(p)
         used += nbytes
-    close()
-    return buckets
+    if current:
+        groups.append(current)
+    return groups
 
 
 def eligible(params: Sequence[torch.Tensor]) -> bool:

@@ -112,10 +112,14 @@ class _DistributedMixin:
     def _hvd_set_buckets(self):
         """Plan the gradient buckets for the current bucket size (see _hvd_plan_buckets)."""
         h = self._hvd
-        config = runtime.state.config or Config.from_env()
-        h["bucket_cap"] = min(config.fusion_threshold, config.gradient_bucket_bytes)
+        h["bucket_cap"] = self._hvd_bucket_cap()
         h["buckets"] = self._hvd_plan_buckets(h["bucket_cap"]) if h["member"] else []
         h["bucket_of"] = {id(p): b for b in h["buckets"] for p in b.params}
+
+    @staticmethod
+    def _hvd_bucket_cap() -> int:
+        config = runtime.state.config or Config.from_env()
+        return min(config.fusion_threshold, config.gradient_bucket_bytes)
 
     def _hvd_plan_buckets(self, cap: int) -> List[_buckets.Bucket]:
         """Gradient buckets (see buckets.py) of up to ``cap`` bytes, where they change nothing
@@ -141,6 +145,8 @@ class _DistributedMixin:
     def _hvd_groups(self, groups):
         """param id -> group index, from an int (that many groups) or lists of parameters."""
         params = self._hvd["params"]
+        if groups is None and self._hvd["op"].layer_buckets:
+            groups = _buckets.partition(params, self._hvd_bucket_cap())
         if groups is None:
             return {}
         if isinstance(groups, int):

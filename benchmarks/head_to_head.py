@@ -1,0 +1,584 @@
+"""Head to head on slow links: torch DDP's hooks and local SGD against every horovod_ext op.
+
+    python benchmarks/head_to_head.py --lab              # CNN: loopback, 1 Gbit/s, 100 Mbit/s;
+                                                         # 2 hosts x 1 and x 2, 3 repetitions
+    python benchmarks/head_to_head.py --lab --settings lab-100mbit-2x1,loopback-2x1
+    python benchmarks/head_to_head.py --workload lm --lab  # the transformer language model
+    python benchmarks/head_to_head.py --quick            # loopback, 4 methods, 1 repetition
+    python benchmarks/head_to_head.py --markdown docs/head_to_head_cnn.json  # tables of a report
+    python benchmarks/head_to_head.py --plot docs/head_to_head_cnn.json      # redraw its plot
+
+Workloads (the same model, data, batch and number of samples for every method):
+  cnn  examples/fashion_mnist.py's CNN (215 k parameters) on Fashion-MNIST (Debian's
+       ``dataset-fashion-mnist``); quality = test accuracy on the 10 k test images
+  lm   a causal transformer over bytes (``_models.CharLM``: 0.44 M parameters, context 64) on
+       the fortune cookies of Debian's ``fortunes`` package (/usr/share/games/fortunes, 2.5 MB
+       of English text: the last 10% of each file held out); quality = held-out loss in bits
+       per byte
+Global batch fixed (``--global-batch``), split among the ranks, so that every setting trains
+the same number of samples in the same number of steps.  Learning rate decays linearly to 0.
+
+Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
+  ddp                DistributedDataParallel, no hook
+  ddp_fp16           DDP + fp16_compress_hook
+  ddp_powersgd_r1/4  DDP + powerSGD_hook, matrix_approximation_rank 1 / 4, start after 10% of the
+                     steps (torch's advice), warm start, error feedback
+  ddp_local_sgd      DDP + post_localSGD_hook and PostLocalSGDOptimizer with a
+                     PeriodicModelAverager (period ``--period``, after 10% of the steps): torch's
+                     local SGD; 2 x 2: gradients averaged inside the node between averagings
+  average, adasum    hvd.DistributedOptimizer(op=hvd.Average / hvd.Adasum)
+  onebit_adam/lamb   hvd.OnebitAdam / hvd.OnebitLamb, warm-up 15% of the steps (LAMB lr
+                     ``--lamb-lr``)
+  slamb              hvd.SLAMB(ratio=0.1, sync_interval=50) (LAMB lr)
+  powersgd_r1/4      hvd.DistributedOptimizer(op=hvd.PowerSGD(rank=1 / 4)), the hook's settings
+  diloco_h10/h50     hvd.DiLoCo(Adam, sync_every=10 / 50), outer lr 0.7, Nesterov momentum 0.9
+  diloco_h50_onebit  the same with op=hvd.OneBit: the pseudo-gradient sent at 1 bit per element
+2 x 2 runs ours hierarchically (HOROVOD_HIERARCHICAL_ALLREDUCE=1); DDP has no such mode.
+
+Settings: loopback-2x1 / 2x2 (localhost, unshaped: the "fast network"), and 2 emulated hosts of
+tools/netlab.sh (root) at 1 Gbit/s and 100 Mbit/s with 1 or 2 ranks each.  Each setting starts
+its ranks once; the methods take turns, repetition by repetition (``--reps``, seeds 1, 2, ...:
+initial weights and data order), so drift on this shared machine hits them alike.
+
+Measured per run: quality every ``--eval-every`` steps (of the ranks' average model; every
+method's models are equal there: the local methods' sync periods divide it), training time
+(evaluations excluded), time to ``--target`` (the training time at the first evaluation that
+reaches it), throughput, and in the lab the bytes that left the hosts' NICs while training
+(eth0 transmit counters, evaluations excluded).  JSON to ``--out``; a plot of quality against
+training time per setting next to it.
+"""
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _spawn  # noqa: E402  (benchmarks/ is not a package; also fixes sys.path for the packages)
+sys.path.insert(0, HERE)
+import _models  # noqa: E402
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+
+METHODS = ["ddp", "ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_local_sgd", "average",
+           "adasum", "onebit_adam", "onebit_lamb", "slamb", "powersgd_r1", "powersgd_r4",
+           "diloco_h10", "diloco_h50", "diloco_h50_onebit"]
+QUICK_METHODS = ["ddp", "ddp_powersgd_r1", "average", "powersgd_r1", "diloco_h10"]
+SETTINGS = {  # name: (where, rate, ranks per node)
+    "loopback-2x1": ("loopback", None, 1), "lab-1gbit-2x1": ("lab", "1gbit", 1),
+    "lab-100mbit-2x1": ("lab", "100mbit", 1), "loopback-2x2": ("loopback", None, 2),
+    "lab-1gbit-2x2": ("lab", "1gbit", 2), "lab-100mbit-2x2": ("lab", "100mbit", 2)}
+WORKLOADS = {  # name: default steps, global batch, target, quality's name, higher is better
+    "cnn": dict(steps=450, global_batch=128, target=0.85, quality="test accuracy", higher=True),
+    "lm": dict(steps=300, global_batch=32, target=2.6, quality="held-out bits per byte",
+               higher=False)}
+FORTUNES = "/usr/share/games/fortunes"
+LAMB_METHODS = ("onebit_lamb", "slamb")
+SLAMB_INTERVAL = 50
+
+
+# --- data and models -------------------------------------------------------------------------
+
+def fortunes_corpus(folder=FORTUNES):
+    """(training bytes, held-out bytes) as uint8 tensors: the fortune files in name order, the
+    last 10% of each held out."""
+    import torch
+    if not os.path.isdir(folder):
+        raise SystemExit(f"no fortunes in {folder}: apt-get install fortunes")
+    train, held = [], []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name.endswith(".dat") or os.path.islink(path) or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        cut = int(0.9 * len(data))
+        train.append(data[:cut])
+        held.append(data[cut:])
+    as_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # noqa: E731
+    return as_tensor(train), as_tensor(held)
+
+
+class Workload:
+    """A model factory, batches by sample index and a quality score, for one workload."""
+
+    def __init__(self, name, args):
+        import torch
+        self.name = name
+        if name == "cnn":
+            fashion_mnist, _ = _spawn.sibling("convergence").examples()
+            self.make_model = fashion_mnist.Net
+            tx, ty, vx, vy, self.source = fashion_mnist.load_data(args.data_dir)
+            self.train, self.test = (tx, ty), (vx, vy)
+            self.samples = len(ty)
+        else:
+            train, held = fortunes_corpus()
+            self.make_model = _models.CharLM
+            seq = _models.CharLM().seq + 1
+            # training samples: every window start; held-out: fixed, non-overlapping windows
+            self.corpus = train.long()
+            self.samples = len(train) - seq
+            self.seq = seq
+            starts = torch.arange(0, len(held) - seq, seq)[:args.lm_held_out]
+            self.test = held.long()[starts[:, None] + torch.arange(seq)]
+            self.source = (f"fortunes ({FORTUNES}): {len(train)} training bytes, "
+                           f"{len(self.test)} held-out windows of {seq - 1}")
+
+    def batch(self, indices):
+        import torch
+        if self.name == "cnn":
+            x, y = self.train
+            return x[indices], y[indices]
+        return self.corpus[indices[:, None] + torch.arange(self.seq)]
+
+    def loss(self, model, batch):
+        import torch.nn.functional as F
+        if self.name == "cnn":
+            x, y = batch
+            return F.cross_entropy(model(x), y)
+        return _models.lm_loss(model, batch)
+
+    def score(self, model):
+        """This rank's share of the test data: float64 sums (quality, loss, count)."""
+        import math
+        import torch
+        import torch.nn.functional as F
+        import horovod_ext.torch as hvd
+
+        totals = torch.zeros(3, dtype=torch.float64)
+        if self.name == "cnn":
+            x, y = self.test
+            mine = torch.arange(hvd.rank(), len(y), hvd.size())
+            for i in range(0, len(mine), 500):
+                idx = mine[i:i + 500]
+                logits = model(x[idx])
+                totals += torch.tensor([float((logits.argmax(1) == y[idx]).sum()),
+                                        float(F.cross_entropy(logits, y[idx], reduction="sum")),
+                                        float(len(idx))], dtype=torch.float64)
+            return totals
+        mine = self.test[hvd.rank()::hvd.size()]
+        for i in range(0, len(mine), 64):
+            chunk = mine[i:i + 64]
+            nats = float(_models.lm_loss(model, chunk, reduction="sum"))
+            count = float(chunk[:, 1:].numel())
+            totals += torch.tensor([nats / math.log(2), nats, count], dtype=torch.float64)
+        return totals
+
+
+# --- methods ---------------------------------------------------------------------------------
+
+def build(method, net, args, total, seed, per_node):
+    """(module to call, optimizer) of ``method`` around the fresh model ``net``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+    import horovod_ext.torch as hvd
+
+    start = max(1, round(0.1 * total))
+    named = list(net.named_parameters())
+    adam = lambda: torch.optim.Adam(net.parameters(), lr=args.adam_lr, eps=args.adam_eps)  # noqa: E731
+    lamb = dict(lr=args.lamb_lr, eps=args.lamb_eps, min_coeff=0.01, max_coeff=10.0)
+    if method.startswith("ddp"):
+        ddp = DistributedDataParallel(net)
+        opt = adam()
+        if method == "ddp_fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif method.startswith("ddp_powersgd"):
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=int(method[-1]),
+                start_powerSGD_iter=start, min_compression_rate=2, warm_start=True,
+                use_error_feedback=True, random_seed=seed)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif method == "ddp_local_sgd":
+            from torch.distributed.algorithms.model_averaging.averagers import (
+                PeriodicModelAverager)
+            from torch.distributed.optim import PostLocalSGDOptimizer
+            size = dist.get_world_size()
+            # a node's ranks are consecutive (the launcher places them so)
+            node, _ = dist.new_subgroups_by_enumeration(
+                [list(range(n, n + per_node)) for n in range(0, size, per_node)])
+            state = post_localSGD_hook.PostLocalSGDState(
+                process_group=None, subgroup=node, start_localSGD_iter=start,
+                post_local_gradient_allreduce=per_node > 1)
+            ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+            opt = PostLocalSGDOptimizer(opt, PeriodicModelAverager(period=args.period,
+                                                                   warmup_steps=start))
+        return ddp, opt
+    if method in ("average", "adasum"):
+        op = hvd.Average if method == "average" else hvd.Adasum
+        return net, hvd.DistributedOptimizer(adam(), named_parameters=named, op=op)
+    if method.startswith("powersgd"):
+        op = hvd.PowerSGD(rank=int(method[-1]), start_iter=start, seed=seed)
+        return net, hvd.DistributedOptimizer(adam(), named_parameters=named, op=op)
+    freeze = max(1, round(args.warmup_fraction * total))
+    if method == "onebit_adam":
+        return net, hvd.OnebitAdam(net.parameters(), lr=args.adam_lr, eps=args.adam_eps,
+                                   freeze_step=freeze)
+    if method == "onebit_lamb":
+        return net, hvd.OnebitLamb(net.parameters(), freeze_step=freeze, **lamb)
+    if method == "slamb":
+        return net, hvd.SLAMB(net.parameters(), ratio=0.1, sync_interval=SLAMB_INTERVAL,
+                              total_steps=total, **lamb)
+    if method.startswith("diloco"):
+        op = hvd.OneBit if method.endswith("onebit") else hvd.Average
+        every = int(method.split("_")[1][1:])
+        return net, hvd.DiLoCo(adam(), named_parameters=named, sync_every=every, op=op)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def lr_of(method, args):
+    return args.lamb_lr if method in LAMB_METHODS else args.adam_lr
+
+
+def nic_tx_bytes(dev: str = "eth0") -> int:
+    """Bytes sent by ``dev`` of this process's network namespace (0 if it has none)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == dev:
+                return int(counters.split()[8])
+    return 0
+
+
+def train(method, work, args, rep, log):
+    """One run: its evaluations (step, training seconds, quality, NIC bytes so far)."""
+    import torch
+    import horovod_ext.torch as hvd
+
+    convergence = _spawn.sibling("convergence")
+    rank, size = hvd.rank(), hvd.size()
+    per_rank = args.global_batch // size
+    total, seed = args.steps, rep
+    torch.manual_seed(seed)
+    net = work.make_model()
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    module, opt = build(method, net, args, total, seed, hvd.local_size())
+    order = torch.randperm(work.samples, generator=torch.Generator().manual_seed(seed))
+    row = {"evals": [], "losses": []}
+    # only the host's first rank counts its NIC (ranks of a host share it)
+    counting = args.count_nic and hvd.local_rank() == 0
+    train_s, sent, running = 0.0, 0, 0.0
+    hvd.barrier()
+    t0, nic0 = time.perf_counter(), nic_tx_bytes() if counting else 0
+    for step in range(total):
+        first = (step * args.global_batch) % work.samples
+        idx = order[first + rank * per_rank:first + (rank + 1) * per_rank]
+        for group in opt.param_groups:
+            group["lr"] = lr_of(method, args) * (total - step) / total
+        opt.zero_grad()
+        loss = work.loss(module, work.batch(idx))
+        loss.backward()
+        opt.step()
+        running += loss.item()
+        done = step + 1
+        if done % args.eval_every == 0 or done == total:
+            train_s += time.perf_counter() - t0
+            if counting:
+                sent += nic_tx_bytes() - nic0
+            totals, spread = convergence.evaluate_averaged(net, work.score)
+            mean_loss = hvd.allreduce(torch.tensor([running / args.eval_every]), op=hvd.Average,
+                                      name="head_to_head.loss")
+            quality = (totals[0] / totals[2]).item()
+            row["evals"].append({"step": done, "train_s": train_s, "quality": quality,
+                                 "spread": spread, "nic_bytes": sent})
+            row["losses"].append(mean_loss.item())
+            running = 0.0
+            log(f"      {method:<18} rep {rep} step {done:4d}/{total}  "
+                f"{'acc' if work.name == 'cnn' else 'bpb'} {quality:.4f}  "
+                f"train loss {mean_loss.item():.4f}  [{train_s:.1f} s]")
+            hvd.barrier()
+            t0, nic0 = time.perf_counter(), nic_tx_bytes() if counting else 0
+    # every host's count, summed: the bytes on the wire
+    host_bytes = torch.tensor([float(e["nic_bytes"]) for e in row["evals"]], dtype=torch.float64)
+    wire = hvd.allreduce(host_bytes, op=hvd.Sum, name="head_to_head.nic")
+    for e, b in zip(row["evals"], wire.tolist()):
+        e["nic_bytes"] = b
+    row["train_s"] = train_s
+    return row
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    import horovod_ext.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    if not dist.is_initialized():
+        raise SystemExit("head_to_head needs horovod_ext over torch.distributed (Gloo)")
+    work = Workload(args.workload, args)
+    rank = hvd.rank()
+
+    def log(line):
+        if rank == 0:
+            print(line, flush=True)
+
+    results = {"data": work.source, "np": hvd.size(), "local_size": hvd.local_size(),
+               "params": _models.count_parameters(work.make_model()), "runs": []}
+    log(f"    {work.source}; np={hvd.size()}, {results['params']} parameters")
+    methods = args.methods.split(",")
+    for rep in range(1, args.reps + 1):
+        for method in methods:
+            row = train(method, work, args, rep, log)
+            results["runs"].append({"method": method, "rep": rep, **row})
+    if rank == 0:
+        import json
+        with open(args.result, "w") as f:
+            json.dump(results, f)
+    hvd.shutdown()
+
+
+# --- reports ---------------------------------------------------------------------------------
+
+def summarise(run, target, higher, global_batch):
+    """One run's figures: final quality, time and bytes to ``target``, throughput, bytes."""
+    evals = run["evals"]
+    reached = [e for e in evals if (e["quality"] >= target if higher else e["quality"] <= target)]
+    last = evals[-1]
+    return {"final": last["quality"], "train_s": run["train_s"],
+            "samples_per_s": last["step"] * global_batch / run["train_s"],
+            "to_target_s": reached[0]["train_s"] if reached else None,
+            "to_target_step": reached[0]["step"] if reached else None,
+            "nic_bytes": last["nic_bytes"] or None,
+            "nic_bytes_to_target": (reached[0]["nic_bytes"] or None) if reached else None}
+
+
+def summary(report):
+    """{setting: {method: {figure: [value per repetition]}}}."""
+    out = {}
+    for setting in report["settings"]:
+        per = out.setdefault(setting["setting"], {})
+        for run in setting["runs"]:
+            figures = summarise(run, report["target"], report["higher_is_better"],
+                                report["global_batch"])
+            row = per.setdefault(run["method"], {})
+            for key, value in figures.items():
+                row.setdefault(key, []).append(value)
+    return out
+
+
+def _median(values):
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) and known else None
+
+
+def _cell(values, fmt, scale=1.0):
+    """median (min-max) of the repetitions; '-' where a repetition has no value."""
+    known = [v * scale for v in values if v is not None]
+    if len(known) < len(values) or not known:
+        return f"not reached ({len(known)}/{len(values)})" if known else "not reached"
+    text = format(statistics.median(known), fmt)
+    if len(known) > 1:
+        text += f" ({format(min(known), fmt)}-{format(max(known), fmt)})"
+    return text
+
+
+def table_rows(report, setting, rows):
+    """Rows of one setting's table: each figure's median and range over the repetitions."""
+    base = _median(rows.get("ddp", {}).get("samples_per_s", [None])) if "ddp" in rows else None
+    quality = "acc %" if report["workload"] == "cnn" else "bits/byte"
+    scale = 100.0 if report["workload"] == "cnn" else 1.0
+    out = []
+    for method in [m for m in METHODS if m in rows]:
+        r = rows[method]
+        speed = _median(r["samples_per_s"])
+        out.append({"method": method,
+                    f"final {quality}": _cell(r["final"], ".2f" if scale > 1 else ".3f", scale),
+                    "to target s": _cell(r["to_target_s"], ".1f"),
+                    "samples/s": _cell(r["samples_per_s"], ".0f"),
+                    "vs ddp": f"{speed / base:.2f}x" if base and speed else "-",
+                    "wire MB": (_cell(r["nic_bytes"], ".1f", 1e-6)
+                                if any(r["nic_bytes"]) else "-"),
+                    "wire MB to target": (_cell(r["nic_bytes_to_target"], ".1f", 1e-6)
+                                          if any(r["nic_bytes"]) else "-")})
+    return out
+
+
+def print_tables(report):
+    for setting, rows in summary(report).items():
+        table = table_rows(report, setting, rows)
+        if not table:
+            continue
+        keys = list(table[0])
+        widths = {k: max(len(k), *(len(str(row[k])) for row in table)) for k in keys}
+        print(f"\n{setting} (target {report['target']} {report['quality']}, "
+              f"{report['reps']} repetitions: median (min-max))")
+        print("  ".join(k.ljust(widths[k]) for k in keys))
+        for row in table:
+            print("  ".join(str(row[k]).ljust(widths[k]) for k in keys))
+
+
+def markdown(report) -> str:
+    """The tables of docs/results.md: one per setting."""
+    lines = []
+    for setting, rows in summary(report).items():
+        table = table_rows(report, setting, rows)
+        if not table:
+            continue
+        keys = list(table[0])
+        lines += [f"\n**{setting}**\n", "| " + " | ".join(keys) + " |",
+                  "|" + "|".join("---" for _ in keys) + "|"]
+        lines += ["| " + " | ".join(str(row[k]) for k in keys) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def plot(report, stem):
+    """One PNG: a panel per setting, quality against training time, median over repetitions."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = report["settings"]
+    cols = min(3, len(settings))
+    rows = (len(settings) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    scale = 100.0 if report["workload"] == "cnn" else 1.0
+    colours = plt.get_cmap("tab20")
+    for ax, setting in zip(axes.flat, settings):
+        by_method = {}
+        for run in setting["runs"]:
+            by_method.setdefault(run["method"], []).append(run["evals"])
+        for i, method in enumerate(m for m in METHODS if m in by_method):
+            reps = by_method[method]
+            points = min(len(r) for r in reps)
+            xs = [statistics.median(r[j]["train_s"] for r in reps) for j in range(points)]
+            ys = [scale * statistics.median(r[j]["quality"] for r in reps) for j in range(points)]
+            ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.2, color=colours(i),
+                    linestyle="--" if method.startswith("ddp") else "-", label=method)
+        ax.axhline(scale * report["target"], color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_title(setting["setting"], fontsize=9)
+        ax.set_xlabel("training time, s (log; evaluations excluded)")
+        ax.set_ylabel(report["quality"] + (" (%)" if scale > 1 else ""))
+        if report["higher_is_better"]:
+            ax.set_ylim(scale * (report["target"] - 0.1), None)
+        else:
+            ax.set_ylim(None, report["target"] + 1.0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(settings):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6.5, ncol=2)
+    fig.suptitle(f"{report['workload']}: {report['quality']} against training time "
+                 f"(median of {report['reps']} repetitions; dashed: torch DDP; dotted line: the "
+                 f"target); commit {report.get('commit', '?')}, {report.get('date', '?')}",
+                 fontsize=9)
+    fig.tight_layout()
+    path = f"{stem}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def run_setting(name, argv, args):
+    where, rate, per_node = SETTINGS[name]
+    np = 2 * per_node
+    env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"} if per_node > 1 else {}
+    if where == "lab":
+        return _spawn.run_collect("gloo", argv + ["--count-nic"], np, env=env,
+                                  timeout=args.timeout,
+                                  hosts=[f"nl-{i // per_node}" for i in range(np)])
+    return _spawn.run_collect("gloo", argv, np, env=env, timeout=args.timeout,
+                              hostnames=[f"node{i // per_node}" for i in range(np)])
+
+
+def main():
+    import argparse
+    import contextlib
+
+    p = _spawn.parser(__doc__, "head_to_head.json")
+    p.add_argument("--workload", default="cnn", choices=sorted(WORKLOADS))
+    p.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    p.add_argument("--lab", action="store_true",
+                   help="also the emulated hosts (root): every setting unless --settings")
+    p.add_argument("--settings", help=f"of {', '.join(SETTINGS)} (default: loopback-2x1; "
+                                      f"with --lab all)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, help="training steps per run (cnn 450, lm 300)")
+    p.add_argument("--global-batch", type=int, help="samples per step, all ranks (cnn 128, "
+                                                    "lm 32 windows)")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--target", type=float, help="quality to reach (cnn 0.85 test accuracy, "
+                                                "lm 2.6 bits per byte)")
+    p.add_argument("--period", type=int, default=10, help="ddp_local_sgd's averaging period")
+    p.add_argument("--adam-lr", type=float, default=1e-3)
+    p.add_argument("--adam-eps", type=float, default=1e-4)
+    p.add_argument("--lamb-lr", type=float, default=1e-2)
+    p.add_argument("--lamb-eps", type=float, default=1e-3)
+    p.add_argument("--warmup-fraction", type=float, default=0.15,
+                   help="1-bit optimizers' warm-up share of the steps")
+    p.add_argument("--lm-held-out", type=int, default=256, help="held-out windows (lm)")
+    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--timeout", type=float, default=5400, help="seconds per setting")
+    p.add_argument("--count-nic", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier report")
+    p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's tables")
+    args = p.parse_args()
+    defaults = WORKLOADS[args.workload]
+    args.steps = args.steps or defaults["steps"]
+    args.global_batch = args.global_batch or defaults["global_batch"]
+    args.target = defaults["target"] if args.target is None else args.target
+    if args.worker:
+        return worker(args)
+    if args.markdown:
+        return print(markdown(_spawn.read_report(args.markdown)))
+    stem = os.path.splitext(args.plot or args.out)[0]
+    if args.plot:
+        return plot(_spawn.read_report(args.plot), stem)
+    if args.quick:
+        args.reps, args.steps = 1, min(args.steps, 100)
+        if args.methods == ",".join(METHODS):
+            args.methods = ",".join(QUICK_METHODS)
+    settings = (args.settings.split(",") if args.settings
+                else list(SETTINGS) if args.lab else ["loopback-2x1"])
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:
+        p.error(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
+    methods = args.methods.split(",")
+    if [m for m in methods if m not in METHODS]:
+        p.error(f"unknown methods {[m for m in methods if m not in METHODS]}: "
+                f"choose from {', '.join(METHODS)}")
+    if args.global_batch % 4:
+        p.error("--global-batch must split among 4 ranks")
+    forwarded = ("workload", "reps", "steps", "global_batch", "eval_every", "target", "period",
+                 "adam_lr", "adam_eps", "lamb_lr", "lamb_eps", "warmup_fraction",
+                 "lm_held_out", "data_dir")
+    argv = [os.path.abspath(__file__), "--worker", "--methods", ",".join(methods)]
+    for key in forwarded:
+        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    report = {"workload": args.workload, "quality": defaults["quality"],
+              "higher_is_better": defaults["higher"], "target": args.target,
+              "reps": args.reps, "steps": args.steps, "global_batch": args.global_batch,
+              "options": {k: getattr(args, k) for k in forwarded if k != "data_dir"},
+              "settings": []}
+    start = time.monotonic()
+    print(f"{args.workload}: {len(settings)} settings x {len(methods)} methods x {args.reps} "
+          f"repetitions, {args.steps} steps of {args.global_batch} samples", flush=True)
+    by_rate = {}
+    for name in settings:
+        by_rate.setdefault(SETTINGS[name][1], []).append(name)
+    done = 0
+    for rate, names in by_rate.items():
+        with _spawn.lab(2, rate) if rate else contextlib.nullcontext():
+            for name in names:
+                done += 1
+                print(f"\n[{done}/{len(settings)}] {name} ...", flush=True)
+                res = run_setting(name, argv, args)
+                report["data"], report["params"] = res["data"], res["params"]
+                report["settings"].append({"setting": name, "rate": SETTINGS[name][1],
+                                           "np": res["np"], "ranks_per_node": SETTINGS[name][2],
+                                           "runs": res["runs"]})
+                print(f"[{time.monotonic() - start:.0f} s elapsed]")
+                print_tables({**report, "settings": report["settings"][-1:]})
+                _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e .[examples])")
+    else:
+        plot(report, stem)
+    print(f"total {time.monotonic() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
