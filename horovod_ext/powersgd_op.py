@@ -27,7 +27,8 @@ class PowerSGDOp(Op):
 
     def __init__(self, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                  warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-                 use_error_feedback: bool = True, seed: int = 0):
+                 use_error_feedback: bool = True, seed: int = 0,
+                 batch_tensors_with_same_shape: bool = False):
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD rank must be a positive integer, got {rank!r}")
         if start_iter < 0 or min_compression_rate <= 0 or orthogonalization_epsilon < 0:
@@ -38,7 +39,8 @@ class PowerSGDOp(Op):
                              min_compression_rate=float(min_compression_rate),
                              warm_start=bool(warm_start),
                              orthogonalization_epsilon=float(orthogonalization_epsilon),
-                             use_error_feedback=bool(use_error_feedback), seed=seed)
+                             use_error_feedback=bool(use_error_feedback), seed=seed,
+                             batch_tensors_with_same_shape=bool(batch_tensors_with_same_shape))
         self.name = op_name(**self.settings)
         self._states: Dict[Tuple[str, ...], PowerSGDState] = {}
 
@@ -89,20 +91,22 @@ class PowerSGDOp(Op):
 
 
 def op_name(rank, start_iter, min_compression_rate, warm_start, orthogonalization_epsilon,
-            use_error_feedback, seed) -> str:
+            use_error_feedback, seed, batch_tensors_with_same_shape) -> str:
     return (f"powersgd_r{rank}_s{start_iter}_c{min_compression_rate:g}"
             f"_w{int(warm_start)}_e{orthogonalization_epsilon:g}_f{int(use_error_feedback)}"
-            f"_seed{seed}")
+            f"_seed{seed}" + ("_batched" if batch_tensors_with_same_shape else ""))
 
 
 def PowerSGD(rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
              warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
-             use_error_feedback: bool = True, seed: int = 0) -> PowerSGDOp:
+             use_error_feedback: bool = True, seed: int = 0,
+             batch_tensors_with_same_shape: bool = False) -> PowerSGDOp:
     """The PowerSGD op with these settings (torch's ``PowerSGDState`` names; ``start_iter`` is its
     ``start_powerSGD_iter``), registered under a name made of them: the same object for the
     same settings, so every rank may call this wherever it needs the op."""
     op = PowerSGDOp(rank, start_iter, min_compression_rate, warm_start,
-                    orthogonalization_epsilon, use_error_feedback, seed)
+                    orthogonalization_epsilon, use_error_feedback, seed,
+                    batch_tensors_with_same_shape)
     try:
         existing = get_op(op.name)
     except ValueError:

@@ -17,6 +17,9 @@ For the tensors of one fused buffer (its layers), on every rank:
    (so a fully averaged tensor keeps ``local - average``, as in torch's hook).
 
 Before ``start_iter`` rounds of a buffer it is averaged in full (and its error starts at zero).
+With ``batch_tensors_with_same_shape`` (torch's option of that name) the matrices of one shape
+are stacked and multiplied with one ``bmm`` each time instead of one per matrix: fewer, larger
+kernels for models with many equal layers; the same result up to rounding.
 """
 import zlib
 from dataclasses import dataclass, field
@@ -53,9 +56,10 @@ def orthogonalize_(matrices: torch.Tensor, epsilon: float = 0.0) -> torch.Tensor
 
 
 @dataclass
-class _Layer:
-    """Where one matrix sits in the buffer and its factors' places in the P and Q memories."""
-    offset: int
+class _Batch:
+    """Matrices of one shape (n x m, factors of rank r) compressed together: where each sits in
+    the buffer, and where their factors sit (back to back) in the P and Q memories."""
+    offsets: List[int]
     n: int
     m: int
     r: int
@@ -66,7 +70,7 @@ class _Layer:
 @dataclass
 class _Plan:
     full: List[Tuple[int, int]]          # (offset, numel) of the tensors averaged in full
-    matrices: List[_Layer]
+    matrices: List[_Batch]
     p_numel: int
     q_numel: int
 
@@ -91,23 +95,31 @@ class PowerSGDState:
 
 
 def _plan(shapes: Sequence[Tuple[int, ...]], numels: Sequence[int], rank: int,
-          min_compression_rate: float) -> _Plan:
-    full, matrices = [], []
-    offset = p_at = q_at = 0
+          min_compression_rate: float, batch_same_shape: bool = False) -> _Plan:
+    full, compressed = [], []
+    offset = 0
     for shape, numel in zip(shapes, numels):
         if len(shape) >= 2 and numel:
             n = shape[0]
             m = numel // n
             r = min(n, m, rank)
             if should_compress(n, m, r, min_compression_rate):
-                matrices.append(_Layer(offset, n, m, r, p_at, q_at))
-                p_at += n * r
-                q_at += m * r
+                compressed.append((offset, n, m, r))
                 offset += numel
                 continue
         full.append((offset, numel))
         offset += numel
-    return _Plan(full, matrices, p_at, q_at)
+    batches: Dict[Tuple[int, ...], _Batch] = {}   # in order of first appearance
+    p_at = q_at = 0
+    for i, (at, n, m, r) in enumerate(compressed):
+        batch = batches.setdefault((n, m, r) if batch_same_shape else (i,),
+                                   _Batch([], n, m, r, 0, 0))
+        batch.offsets.append(at)
+    for batch in batches.values():
+        batch.p_at, batch.q_at = p_at, q_at
+        p_at += len(batch.offsets) * batch.n * batch.r
+        q_at += len(batch.offsets) * batch.m * batch.r
+    return _Plan(full, list(batches.values()), p_at, q_at)
 
 
 def _random_q(numel: int, seed: int, key: str, rounds: int, dtype, device) -> torch.Tensor:
@@ -126,6 +138,7 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
                         rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
                         warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
                         use_error_feedback: bool = True, seed: int = 0,
+                        batch_tensors_with_same_shape: bool = False,
                         key: str = "") -> torch.Tensor:
     """Replace the flat ``buffer`` (tensors of ``shapes`` back to back) by its PowerSGD average
     over ``comm``; ``state`` is this buffer's state on this rank, ``key`` names the buffer (the
@@ -136,7 +149,8 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
         state.bytes_sent += _ring_bytes(buffer.numel(), buffer.element_size(), comm.size)
         return allreduce_average_(buffer, comm)
     if state.plan is None:
-        state.plan = _plan(shapes, numels, rank, min_compression_rate)
+        state.plan = _plan(shapes, numels, rank, min_compression_rate,
+                           batch_tensors_with_same_shape)
     plan = state.plan
     if use_error_feedback:
         if state.error is None:
@@ -162,13 +176,17 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
             state.q.copy_(_random_q(plan.q_numel, seed, key, round_index, buffer.dtype,
                                     buffer.device))
         p = first[full:]
-        for layer in plan.matrices:
-            mat = buffer[layer.offset:layer.offset + layer.n * layer.m].view(1, layer.n, layer.m)
-            pv = p[layer.p_at:layer.p_at + layer.n * layer.r].view(1, layer.n, layer.r)
-            qv = state.q[layer.q_at:layer.q_at + layer.m * layer.r].view(1, layer.m, layer.r)
-            views.append((mat, pv, qv))
+        for batch in plan.matrices:
+            b, n, m, r = len(batch.offsets), batch.n, batch.m, batch.r
+            if b == 1:     # the buffer's own slice: the result is written in place
+                mat = buffer[batch.offsets[0]:batch.offsets[0] + n * m].view(1, n, m)
+            else:          # matrices of one shape stacked, for one bmm instead of b
+                mat = torch.stack([buffer[o:o + n * m].view(n, m) for o in batch.offsets])
+            pv = p[batch.p_at:batch.p_at + b * n * r].view(b, n, r)
+            qv = state.q[batch.q_at:batch.q_at + b * m * r].view(b, m, r)
+            views.append((mat, pv, qv, batch))
     with trace.activity("POWERSGD_FULL_AND_P", first.numel() * first.element_size()):
-        for mat, pv, qv in views:
+        for mat, pv, qv, _ in views:
             orthogonalize_(qv, orthogonalization_epsilon)
             torch.bmm(mat, qv, out=pv)
         if comm.size > 1:
@@ -180,12 +198,15 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
             at += n
     if plan.matrices:
         with trace.activity("POWERSGD_Q", state.q.numel() * state.q.element_size()):
-            for mat, pv, qv in views:
+            for mat, pv, qv, _ in views:
                 orthogonalize_(pv, orthogonalization_epsilon)
                 torch.bmm(mat.transpose(1, 2), pv, out=qv)
             allreduce_average_(state.q, comm)
-        for mat, pv, qv in views:
+        for mat, pv, qv, batch in views:
             torch.bmm(pv, qv.transpose(1, 2), out=mat)
+            if len(batch.offsets) > 1:
+                for o, result in zip(batch.offsets, mat):
+                    buffer[o:o + batch.n * batch.m].copy_(result.view(-1))
     sent = plan.p_numel + plan.q_numel + sum(n for _, n in plan.full)
     state.bytes_sent += _ring_bytes(sent, buffer.element_size(), comm.size)
     if use_error_feedback:

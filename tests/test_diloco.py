@@ -1,6 +1,7 @@
 """``hvd.DiLoCo`` on real ranks (np=2 and 3, Gloo and MPI) against a plain loop written here: every
 worker's H local steps, then the average pseudo-gradient through an outer SGD step with Nesterov
-momentum; bitwise resume from its state_dict."""
+momentum; the streaming form (fragments synced at staggered steps, reductions overlapping inner
+steps, the result mixed into the parameters); bitwise resume from its state_dict."""
 import pytest
 import torch
 
@@ -147,8 +148,12 @@ def test_bad_settings():
         hvd.DiLoCo(sgd, sync_every=0)
     with pytest.raises(ValueError, match="outer_momentum"):
         hvd.DiLoCo(sgd, outer_momentum=1.0)
-    with pytest.raises(NotImplementedError, match="fragments"):
-        hvd.DiLoCo(sgd, fragments=2)
+    with pytest.raises(ValueError, match="fragments must be an integer from 1"):
+        hvd.DiLoCo(sgd, fragments=5)            # the model has 4 parameters
+    with pytest.raises(ValueError, match="overlap_steps"):
+        hvd.DiLoCo(sgd, sync_every=4, overlap_steps=4)
+    with pytest.raises(ValueError, match="mixing"):
+        hvd.DiLoCo(sgd, mixing=1.5)
     with pytest.raises(ValueError, match="does not name 2"):
         hvd.DiLoCo(sgd, named_parameters=list(model.named_parameters())[:2])
 
@@ -171,3 +176,105 @@ def test_a_one_bit_pseudo_gradient():
     assert any(not torch.allclose(x, y) for x, y in zip(a, exact))  # compressed: not exact
     numel = sum(p.numel() for p in _model().parameters())
     assert 0 < sent < ROUNDS * numel * 8  # below a float64 ring allreduce of every round
+
+
+# --- streaming: 2 fragments of the 4 parameters, synced at steps 2, 6, 10 and 4, 8, 12 --------
+SH, STEPS, TAU, MIX = 4, 12, 1, 0.5
+FRAGMENTS = [[0], [1, 2, 3]]     # by size: the first weight (20 elements), then the rest (14)
+
+
+def body_streaming(overlap):
+    import horovod_ext.torch as hvd
+    model = _model()
+    opt = hvd.DiLoCo(torch.optim.SGD(model.parameters(), lr=INNER_LR),
+                     named_parameters=model.named_parameters(), sync_every=SH,
+                     outer_momentum=MU, fragments=2, overlap_steps=overlap, mixing=MIX)
+    names = [n for n, _ in model.named_parameters()]
+    assert opt.fragments == [[names[i] for i in f] for f in FRAGMENTS]
+    for step in range(STEPS):
+        _local_step(model, opt, hvd.rank(), step)
+    return [p.detach().clone() for p in model.parameters()], opt.outer_steps
+
+
+def _reference_streaming(size, overlap):
+    models = [_model() for _ in range(size)]
+    opts = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    momentum = [None] * len(anchor)
+    offsets = [SH // 2, SH]
+    pending = {}
+
+    def apply(f):
+        _, deltas = pending.pop(f)
+        for i, delta in deltas:
+            momentum[i] = delta.clone() if momentum[i] is None else MU * momentum[i] + delta
+            anchor[i] = anchor[i] - OUTER_LR * (delta + MU * momentum[i])
+            with torch.no_grad():
+                for model in models:
+                    p = list(model.parameters())[i]
+                    p.copy_(anchor[i] if overlap == 0 else MIX * p + (1 - MIX) * anchor[i])
+
+    for step in range(STEPS):
+        for rank, (model, opt) in enumerate(zip(models, opts)):
+            _local_step(model, opt, rank, step)
+        now = step + 1
+        for f in [f for f, (due, _) in sorted(pending.items()) if due == now]:
+            apply(f)
+        for f, offset in enumerate(offsets):
+            if now >= offset and (now - offset) % SH == 0:
+                pending[f] = (now + overlap, [
+                    (i, sum(anchor[i] - list(m.parameters())[i].detach() for m in models) / size)
+                    for i in FRAGMENTS[f]])
+                if overlap == 0:
+                    apply(f)
+    return [p.detach() for p in models[0].parameters()], [
+        [p.detach() for p in m.parameters()] for m in models]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("size", [2, 3])
+def test_streaming_fragments_with_overlap_match_a_plain_loop(size, backend):
+    results = run_ranks(body_streaming, size, backend, args=(TAU,))
+    _, want = _reference_streaming(size, TAU)
+    for rank, (params, outer) in enumerate(results):
+        assert outer == 5                   # fragment 0 at 2, 6, 10 (applied at 3, 7, 11); 1 at 4, 8
+        for got, ref in zip(params, want[rank]):   # (12's is still in flight)
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_streaming_without_overlap_replaces_each_fragment():
+    results = run_ranks(body_streaming, 2, "gloo", args=(0,))
+    first, _ = _reference_streaming(2, 0)
+    for params, outer in results:
+        assert outer == 6
+    # step 12 synced fragment 1 (the last parameters); fragment 0 moved on since step 10
+    for got, ref in zip(results[0][0][1:], first[1:]):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(results[0][0][1:], results[1][0][1:]):
+        assert torch.equal(a, b)
+
+
+def body_resume_streaming():
+    import copy
+    import horovod_ext.torch as hvd
+    model = _model()
+    opt = hvd.DiLoCo(torch.optim.SGD(model.parameters(), lr=INNER_LR, momentum=0.5),
+                     named_parameters=model.named_parameters(), sync_every=SH, fragments=2,
+                     overlap_steps=TAU)
+    for step in range(6):               # fragment 0's reduction of step 6 is in flight
+        _local_step(model, opt, hvd.rank(), step)
+    assert list(opt.pending) == [0]
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    for step in range(6, STEPS):
+        _local_step(model, opt, hvd.rank(), step)
+    first = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    for step in range(6, STEPS):
+        _local_step(model, opt, hvd.rank(), step)
+    return all(torch.equal(a, b.detach()) for a, b in zip(first, model.parameters()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_resume_with_a_reduction_in_flight(backend):
+    assert run_ranks(body_resume_streaming, 2, backend) == [True, True]

@@ -44,9 +44,10 @@ def _random(numel, key, round_index):
     return torch.randn(numel, generator=g, dtype=torch.float64)
 
 
-def _simulate(size, shapes, key, rank_r, warm, grad=None):
+def _simulate(size, shapes, key, rank_r, warm, grad=None, q_order=None):
     """Per step, per worker: the reduced tensors of one request of ``shapes``; ``grad(worker,
-    step, shape)`` gives the workers' gradients (default: the ranks')."""
+    step, shape)`` gives the workers' gradients (default: the ranks'); ``q_order``: the
+    compressed tensors' indices in the order their random Q are drawn (default: in order)."""
     grad = grad or _grad
     numels = [int(torch.Size(s).numel()) for s in shapes]
     compress = []
@@ -70,7 +71,7 @@ def _simulate(size, shapes, key, rank_r, warm, grad=None):
                                                                   shapes[i][0], rank_r)
                                for i in range(len(shapes)) if compress[i]), key, step)
             qs, at = {}, 0
-            for i in range(len(shapes)):
+            for i in (q_order or range(len(shapes))):
                 if compress[i]:
                     n = shapes[i][0]
                     m, r = numels[i] // n, min(n, numels[i] // n, rank_r)
@@ -142,6 +143,90 @@ def test_hierarchical_is_a_node_average_then_powersgd_across_nodes(backend):
             for i in range(len(GROUP)):
                 torch.testing.assert_close(got[i].reshape(-1), group[step][r // 2][i],
                                            rtol=1e-9, atol=1e-9)
+
+
+# matrices of one shape (16 x 12) at positions 0, 2 and 5, batched into one bmm
+BATCHED = [(16, 12), (16,), (16, 12), (3, 2), (8, 10), (16, 12)]
+
+
+def body_batched():
+    import horovod_ext.torch as hvd
+    op = hvd.PowerSGD(rank=2, start_iter=START, batch_tensors_with_same_shape=True)
+    me = hvd.rank()
+    return [[t.clone() for t in hvd.grouped_allreduce(
+        [_grad(me, step, s) for s in BATCHED], name="batched", op=op)]
+        for step in range(STEPS)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_same_shape_matrices_match_the_simulation(backend):
+    results = run_ranks(body_batched, 2, backend)
+    key = "/".join(f"batched.{i}" for i in range(len(BATCHED)))
+    # the batch of 16 x 12 matrices first, then the 8 x 10 one: their Q memory's order
+    want = _simulate(2, BATCHED, key, 2, True, q_order=[0, 2, 5, 4])
+    for r, steps in enumerate(results):
+        for step, got in enumerate(steps):
+            for i in range(len(BATCHED)):
+                torch.testing.assert_close(got[i].reshape(-1), want[step][r][i],
+                                           rtol=1e-9, atol=1e-9)
+
+
+def body_buckets():
+    import horovod_ext.torch as hvd
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    op = hvd.PowerSGD(rank=1, start_iter=0, seed=7)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=op)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    x = torch.randn(8, 12, generator=torch.Generator().manual_seed(hvd.rank()))
+    model(x).square().mean().backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    return list(op.state_dict()["states"]), local, [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_optimizer_hands_it_one_bucket_of_all_layers():
+    """The model's four gradients are one request (DDP's bucket), reduced as the simulation
+    reduces one request of those shapes."""
+    results = run_ranks(body_buckets, 2, "gloo")
+    states = results[0][0]
+    assert len(states) == 1 and len(states[0][0]) == 4
+    shapes = [(16, 12), (16,), (3, 16), (3,)]
+    locals_ = [[g.reshape(-1) for g in r[1]] for r in results]
+    want = _simulate_one_step(locals_, shapes, "/".join(states[0][0]), seed=7)
+    for r, (_, _, reduced) in enumerate(results):
+        for got, ref in zip(reduced, want[r]):
+            torch.testing.assert_close(got.reshape(-1), ref, rtol=1e-6, atol=1e-6)
+
+
+def _simulate_one_step(grads, shapes, key, seed):
+    """The first compressed round (rank 1, zero error, random Q) of one request, float32."""
+    size = len(grads)
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{key}/0".encode()))
+    compressed = [i for i, s in enumerate(shapes) if len(s) >= 2 and
+                  (s[0] + numels[i] // s[0]) * 2.0 < numels[i]]
+    flat_q = torch.randn(sum(numels[i] // shapes[i][0] for i in compressed), generator=g)
+    outs = [[None] * len(shapes) for _ in range(size)]
+    at = 0
+    for i, s in enumerate(shapes):
+        if i not in compressed:
+            avg = sum(grads[r][i] for r in range(size)) / size
+            for r in range(size):
+                outs[r][i] = avg
+            continue
+        n, m = s[0], numels[i] // s[0]
+        q = flat_q[at:at + m].view(m, 1)
+        at += m
+        q = q / q.norm()
+        mats = [grads[r][i].view(n, m) for r in range(size)]
+        p = sum(mat @ q for mat in mats)
+        p = p / p.norm()
+        q = sum(mat.t() @ p for mat in mats) / size
+        for r in range(size):
+            outs[r][i] = (p @ q.t()).reshape(-1)
+    return outs
 
 
 def body_resume():
