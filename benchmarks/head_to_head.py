@@ -435,6 +435,49 @@ def markdown(report) -> str:
     return "\n".join(lines)
 
 
+def comparisons(report) -> str:
+    """The figures the method choice turns on, from the repetitions' medians: each method's
+    slow-link penalty (time to target on a shaped link over Average's on loopback, same ranks
+    per host), wire bytes to target against Average's, final quality against Average's and
+    throughput against DDP's hook of the same rank."""
+    table = summary(report)
+    scale = 100.0 if report["workload"] == "cnn" else 1.0
+    unit = "pp" if scale > 1 else "bits/byte"
+    lines = []
+    for per_node in (1, 2):
+        loop = table.get(f"loopback-2x{per_node}", {}).get("average")
+        base = _median(loop["to_target_s"]) if loop else None
+        for rate in ("100mbit", "1gbit"):
+            rows = table.get(f"lab-{rate}-2x{per_node}")
+            if not rows or "average" not in rows:
+                continue
+            avg = rows["average"]
+            avg_bytes = _median(avg["nic_bytes_to_target"])
+            avg_final = statistics.median(avg["final"])
+            lines += [f"\n**lab-{rate}-2x{per_node}** against Average"
+                      + (f" on loopback-2x{per_node} ({base:.1f} s to target)" if base else ""),
+                      "", "| method | slow-link penalty | wire bytes to target vs Average | "
+                      f"final vs Average ({unit}) |", "|---|---|---|---|"]
+            for method in [m for m in METHODS if m in rows]:
+                r = rows[method]
+                to = _median(r["to_target_s"])
+                sent = _median(r["nic_bytes_to_target"])
+                final = statistics.median(r["final"])
+                lines.append(
+                    f"| {method} | {f'{to / base:.2f}x' if to and base else 'not reached'} | "
+                    f"{f'{avg_bytes / sent:.1f}x fewer' if sent and avg_bytes else '-'} | "
+                    f"{scale * (final - avg_final):+.2f} |")
+            hooks = [(f"powersgd_r{k}", f"ddp_powersgd_r{k}") for k in (1, 4)]
+            for ours, theirs in hooks:
+                if ours in rows and theirs in rows:
+                    a, b = rows[ours], rows[theirs]
+                    lines.append(
+                        f"\n{ours} against {theirs}: throughput "
+                        f"{_median(a['samples_per_s']) / _median(b['samples_per_s']):.2f}x, "
+                        f"final {scale * (statistics.median(a['final']) - statistics.median(b['final'])):+.2f} {unit}")
+    return "\n".join(lines)
+
+
 def plot(report, stem):
     """One PNG: a panel per setting, quality against training time, median over repetitions."""
     import matplotlib
@@ -513,8 +556,9 @@ def main():
     p.add_argument("--eval-samples", type=int, default=2000,
                    help="test samples of the evaluations during training (the final one "
                         "takes all)")
-    p.add_argument("--target", type=float, help="quality to reach (cnn 0.85 test accuracy on the evaluation samples, "
-                                                "lm 2.6 bits per byte)")
+    p.add_argument("--target", type=float,
+                   help="quality to reach at an evaluation (cnn 0.85 test accuracy, lm 2.6 "
+                        "bits per byte)")
     p.add_argument("--period", type=int, default=10, help="ddp_local_sgd's averaging period")
     p.add_argument("--adam-lr", type=float, default=2e-3)
     p.add_argument("--adam-eps", type=float, default=1e-4)
@@ -536,7 +580,8 @@ def main():
     if args.worker:
         return worker(args)
     if args.markdown:
-        return print(markdown(_spawn.read_report(args.markdown)))
+        report = _spawn.read_report(args.markdown)
+        return print(markdown(report) + "\n" + comparisons(report))
     stem = os.path.splitext(args.plot or args.out)[0]
     if args.plot:
         return plot(_spawn.read_report(args.plot), stem)

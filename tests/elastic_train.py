@@ -1,8 +1,8 @@
 """A worker program for the elastic tests: a model whose weights count how often each sample
 was trained on (Sum of one-hot gradients, SGD with lr 1), so that the final weights say whether
 every sample of every epoch was processed exactly once across failures and re-formings.
-ELASTIC_TEST_OPTIMIZER=adasum, onebit or slamb trains the same model with Adasum, 1-bit Adam or
-SLAMB instead
+ELASTIC_TEST_OPTIMIZER=adasum, onebit, slamb or diloco trains the same model with Adasum, 1-bit
+Adam, SLAMB or DiLoCo instead
 (the weights then count nothing; the run must still complete with the ranks in agreement).
 
     python tests/elastic_train.py OUT_DIR SAMPLES EPOCHS BATCH STEP_S [KILLS]
@@ -52,6 +52,10 @@ def main():
                                              op=hvd.Adasum)
     elif kind == "onebit":   # past its warm-up after 2 steps: compressed from then on
         optimizer = hvd.OnebitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    elif kind == "diloco":   # outer steps every 3 steps, each reduction overlapping a step
+        optimizer = hvd.DiLoCo(torch.optim.SGD(model.parameters(), lr=1e-2),
+                               named_parameters=model.named_parameters(), sync_every=3,
+                               overlap_steps=1)
     else:
         optimizer = hvd.SLAMB(model.parameters(), lr=1e-2, ratio=0.25, sync_interval=3)
     sampler = hvd.elastic.ElasticSampler(range(samples), shuffle=True, seed=1)
@@ -107,6 +111,8 @@ def main():
     train(state)
     if kind == "slamb":
         optimizer.average_parameters()
+    if kind == "diloco":
+        optimizer.sync()
     # every rank's weights, to check that they agree
     weights = hvd.allgather_object(model.weight[0].tolist())
     if hvd.rank() == 0:

@@ -113,11 +113,11 @@ def test_failure_inside_commit_or_reset(tmp_path, where):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("optimizer", ["adasum", "onebit", "slamb"])
+@pytest.mark.parametrize("optimizer", ["adasum", "onebit", "slamb", "diloco"])
 def test_other_ops_go_on_at_the_new_size(tmp_path, optimizer, monkeypatch):
     """Adasum (3 ranks after 4), 1-bit Adam (its error feedback restarts from zero in the new
-    world) and SLAMB (masks from the step number, models averaged by the sync) keep training
-    after a worker dies."""
+    world), SLAMB (masks from the step number, models averaged by the sync) and DiLoCo (an
+    outer step's reduction in flight when the worker dies) keep training after a worker dies."""
     monkeypatch.setenv("ELASTIC_TEST_OPTIMIZER", optimizer)
     hosts = [f"127.0.0.{i}:1" for i in range(1, 5)]
     proc, _ = elastic_run(tmp_path, hosts, ["-np", "4", "--min-np", "3"],

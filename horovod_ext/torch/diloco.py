@@ -18,12 +18,14 @@ choice).  ``overlap_steps=0`` replaces them by the outer result, as plain DiLoCo
 The parameters must be equal on every rank when it is built (call ``hvd.broadcast_parameters``
 first).  ``state_dict()`` holds the inner optimizer's state, each fragment's round start, the
 outer momentum, any reduction still in flight (waited for: its result is stored) and the step
-counts: a resumed run continues bitwise.
+counts: a resumed run continues bitwise, and ``hvd.elastic.TorchState`` restores and shares it
+when the job re-forms.
 """
 from typing import Dict, List, Tuple
 
 import torch
 
+from ..engine import HorovodInternalError
 from ..ops import Average, get_op
 from ..process_sets import global_process_set
 from .mpi_ops import allreduce_async_, synchronize
@@ -196,7 +198,10 @@ class DiLoCo:
         for _, reductions in self.pending.values():   # drained: their names become free
             for _, handle in reductions:
                 if not isinstance(handle, torch.Tensor):
-                    synchronize(handle)
+                    try:
+                        synchronize(handle)
+                    except HorovodInternalError:
+                        pass   # the job lost a rank (hvd.elastic restores): nothing to drain
         self.optimizer.load_state_dict(state["inner"])
         with torch.no_grad():
             for name, tensor in state["anchor"].items():
