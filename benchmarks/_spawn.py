@@ -136,6 +136,32 @@ def lab(hosts: int, rate: str):
         signal.signal(signal.SIGTERM, previous)
 
 
+def by_link_rate(settings: Sequence[str], rate_of):
+    """Yield the names of ``settings`` grouped by link rate (``rate_of(name)``: "1gbit",
+    "100mbit" or None for loopback), with the lab of 2 hosts up at that rate while its group
+    runs; says which one starts."""
+    groups: Dict[Optional[str], List[str]] = {}
+    for name in settings:
+        groups.setdefault(rate_of(name), []).append(name)
+    done = 0
+    for rate, names in groups.items():
+        with lab(2, rate) if rate else contextlib.nullcontext():
+            for name in names:
+                done += 1
+                print(f"\n[{done}/{len(settings)}] {name} ...", flush=True)
+                yield name
+
+
+def plot_if_possible(draw, *args) -> None:
+    """``draw(*args)`` where matplotlib is installed; else say how to get it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install -e .[examples])")
+        return
+    draw(*args)
+
+
 def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
                 hosts: Optional[List[str]] = None, hostnames: Optional[List[str]] = None,
                 timeout: float = 1200):

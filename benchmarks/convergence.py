@@ -135,22 +135,27 @@ def evaluate(model, x, y):
     """(accuracy, loss) on the test set of the ranks' average model, and the largest relative
     distance of a rank's model to that average.  The training parameters are put back."""
     import torch
-    import torch.nn.functional as F
     import horovod_ext.torch as hvd
 
-    def score(net):
-        mine = torch.arange(hvd.rank(), len(y), hvd.size())
-        totals = torch.zeros(3, dtype=torch.float64)
-        for i in range(0, len(mine), 500):
-            idx = mine[i:i + 500]
-            logits = net(x[idx])
-            totals += torch.tensor([float((logits.argmax(1) == y[idx]).sum()),
-                                    float(F.cross_entropy(logits, y[idx], reduction="sum")),
-                                    float(len(idx))], dtype=torch.float64)
-        return totals
-
-    totals, spread = evaluate_averaged(model, score)
+    mine = torch.arange(hvd.rank(), len(y), hvd.size())
+    totals, spread = evaluate_averaged(model, lambda net: classification_totals(net, x, y, mine))
     return (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item(), spread
+
+
+def classification_totals(model, x, y, indices):
+    """float64 sums (correct answers, cross-entropy, count) of ``model`` on the samples
+    ``indices`` of (x, y), 500 at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    totals = torch.zeros(3, dtype=torch.float64)
+    for i in range(0, len(indices), 500):
+        idx = indices[i:i + 500]
+        logits = model(x[idx])
+        totals += torch.tensor([float((logits.argmax(1) == y[idx]).sum()),
+                                float(F.cross_entropy(logits, y[idx], reduction="sum")),
+                                float(len(idx))], dtype=torch.float64)
+    return totals
 
 
 def evaluate_averaged(model, score):

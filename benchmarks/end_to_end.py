@@ -38,7 +38,6 @@ among the ranks of a node when hierarchical); in the lab also the bytes that rea
 host's NIC (eth0 transmit counter, per rank).  Each method runs in turn in the same processes.
 Progress goes to stdout; a table per setting; JSON to ``--out``; PNG plots next to it.
 """
-import contextlib
 import gc
 import os
 import statistics
@@ -453,24 +452,10 @@ def main():
                     f"[{time.monotonic() - start:.0f} s elapsed]", rows)
         _spawn.write_report(args.out, report)   # after every setting: an interrupted run keeps it
 
-    by_rate = {}
-    for i, name in enumerate(settings):
-        by_rate.setdefault(SETTINGS[name][1], []).append(name)
-    done = 0
-    for rate, names in by_rate.items():
-        lab = _spawn.lab(2, rate) if rate else None
-        with lab or contextlib.nullcontext():
-            for name in names:
-                done += 1
-                print(f"\n[{done}/{len(settings)}] {name} ...", flush=True)
-                record(name, run_setting(name, argv, args))
+    for name in _spawn.by_link_rate(settings, lambda name: SETTINGS[name][1]):
+        record(name, run_setting(name, argv, args))
     if report["runs"]:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("matplotlib is not installed: no plots (pip install -e .[examples])")
-        else:
-            plot(report, stem)
+        _spawn.plot_if_possible(plot, report, stem)
     print(f"total {time.monotonic() - start:.0f} s")
 
 

@@ -143,20 +143,13 @@ class Workload:
         sums (quality, loss, count)."""
         import math
         import torch
-        import torch.nn.functional as F
         import horovod_ext.torch as hvd
 
-        totals = torch.zeros(3, dtype=torch.float64)
         if self.name == "cnn":
             x, y = self.test
             mine = torch.arange(hvd.rank(), min(part or len(y), len(y)), hvd.size())
-            for i in range(0, len(mine), 500):
-                idx = mine[i:i + 500]
-                logits = model(x[idx])
-                totals += torch.tensor([float((logits.argmax(1) == y[idx]).sum()),
-                                        float(F.cross_entropy(logits, y[idx], reduction="sum")),
-                                        float(len(idx))], dtype=torch.float64)
-            return totals
+            return _spawn.sibling("convergence").classification_totals(model, x, y, mine)
+        totals = torch.zeros(3, dtype=torch.float64)
         mine = self.test[:part or len(self.test)][hvd.rank()::hvd.size()]
         for i in range(0, len(mine), 64):
             chunk = mine[i:i + 64]
@@ -539,7 +532,6 @@ def run_setting(name, argv, args):
 
 def main():
     import argparse
-    import contextlib
 
     p = _spawn.parser(__doc__, "head_to_head.json")
     p.add_argument("--workload", default="cnn", choices=sorted(WORKLOADS))
@@ -621,29 +613,15 @@ def main():
     start = time.monotonic()
     print(f"{args.workload}: {len(settings)} settings x {len(methods)} methods x {args.reps} "
           f"repetitions, {args.steps} steps of {args.global_batch} samples", flush=True)
-    by_rate = {}
-    for name in settings:
-        by_rate.setdefault(SETTINGS[name][1], []).append(name)
-    done = 0
-    for rate, names in by_rate.items():
-        with _spawn.lab(2, rate) if rate else contextlib.nullcontext():
-            for name in names:
-                done += 1
-                print(f"\n[{done}/{len(settings)}] {name} ...", flush=True)
-                res = run_setting(name, argv, args)
-                report["data"], report["params"] = res["data"], res["params"]
-                report["settings"].append({"setting": name, "rate": SETTINGS[name][1],
-                                           "np": res["np"], "ranks_per_node": SETTINGS[name][2],
-                                           "runs": res["runs"]})
-                print(f"[{time.monotonic() - start:.0f} s elapsed]")
-                print_tables({**report, "settings": report["settings"][-1:]})
-                _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install -e .[examples])")
-    else:
-        plot(report, stem)
+    for name in _spawn.by_link_rate(settings, lambda name: SETTINGS[name][1]):
+        res = run_setting(name, argv, args)
+        report["data"], report["params"] = res["data"], res["params"]
+        report["settings"].append({"setting": name, "rate": SETTINGS[name][1], "np": res["np"],
+                                   "ranks_per_node": SETTINGS[name][2], "runs": res["runs"]})
+        print(f"[{time.monotonic() - start:.0f} s elapsed]")
+        print_tables({**report, "settings": report["settings"][-1:]})
+        _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
+    _spawn.plot_if_possible(plot, report, stem)
     print(f"total {time.monotonic() - start:.0f} s")
 
 
