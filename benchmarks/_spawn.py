@@ -136,6 +136,16 @@ def lab(hosts: int, rate: str):
         signal.signal(signal.SIGTERM, previous)
 
 
+def nic_tx_bytes(dev: str = "eth0") -> int:
+    """Bytes sent by ``dev`` of this process's network namespace (0 if it has none)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == dev:
+                return int(counters.split()[8])
+    return 0
+
+
 def by_link_rate(settings: Sequence[str], rate_of):
     """Yield the names of ``settings`` grouped by link rate (``rate_of(name)``: "1gbit",
     "100mbit" or None for loopback), with the lab of 2 hosts up at that rate while its group

@@ -65,16 +65,6 @@ QUICK_SETTINGS = "loopback-2x1,lab-1gbit-2x1"
 LR = {"adam": 1e-4, "lamb": 1e-3}
 
 
-def nic_tx_bytes(dev: str = "eth0") -> int:
-    """Bytes sent by ``dev`` of this process's network namespace (0 if it has none)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, counters = line.partition(":")
-            if name.strip() == dev:
-                return int(counters.split()[8])
-    return 0
-
-
 def make_optimizer(method, model, args):
     import torch
     import horovod_ext.torch as hvd
@@ -135,7 +125,7 @@ def worker(args):
         for i in range(args.warmup + args.steps):
             hvd.barrier()
             before = opt.bytes_sent if hasattr(opt, "bytes_sent") else 0
-            tx = nic_tx_bytes() if in_lab else 0
+            tx = _spawn.nic_tx_bytes() if in_lab else 0
             t0 = time.perf_counter()
             opt.zero_grad()
             _models.mlm_loss(model, batches[i % len(batches)]).backward()
@@ -146,7 +136,7 @@ def worker(args):
                 sent.append((opt.bytes_sent - before) if hasattr(opt, "bytes_sent") else None)
                 # Both ranks of a node share its NIC: read after everybody's step is done.
                 hvd.barrier()
-                wire.append((nic_tx_bytes() - tx) / local_size if in_lab else None)
+                wire.append((_spawn.nic_tx_bytes() - tx) / local_size if in_lab else None)
         row = {"step_s": statistics.median(steps), "steps_s": steps}
         if method.startswith("compute"):
             row["bytes"] = 0.0

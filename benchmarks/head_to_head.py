@@ -229,16 +229,6 @@ def lr_of(method, args):
     return args.lamb_lr if method in LAMB_METHODS else args.adam_lr
 
 
-def nic_tx_bytes(dev: str = "eth0") -> int:
-    """Bytes sent by ``dev`` of this process's network namespace (0 if it has none)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, counters = line.partition(":")
-            if name.strip() == dev:
-                return int(counters.split()[8])
-    return 0
-
-
 def train(method, work, args, rep, log):
     """One run: its evaluations (step, training seconds, quality, NIC bytes so far)."""
     import torch
@@ -258,7 +248,7 @@ def train(method, work, args, rep, log):
     counting = args.count_nic and hvd.local_rank() == 0
     train_s, sent, running, counted = 0.0, 0, 0.0, 0
     hvd.barrier()
-    t0, nic0 = time.perf_counter(), nic_tx_bytes() if counting else 0
+    t0, nic0 = time.perf_counter(), _spawn.nic_tx_bytes() if counting else 0
     for step in range(total):
         first = (step * args.global_batch) % work.samples
         idx = order[first + rank * per_rank:first + (rank + 1) * per_rank]
@@ -273,7 +263,7 @@ def train(method, work, args, rep, log):
         if done % args.eval_every == 0 or done == total:
             train_s += time.perf_counter() - t0
             if counting:
-                sent += nic_tx_bytes() - nic0
+                sent += _spawn.nic_tx_bytes() - nic0
             totals, spread = convergence.evaluate_averaged(
                 net, lambda model: work.score(model, args.eval_samples))
             mean_loss = hvd.allreduce(torch.tensor([running / counted]), op=hvd.Average,
@@ -287,7 +277,7 @@ def train(method, work, args, rep, log):
                 f"{'acc' if work.name == 'cnn' else 'bpb'} {quality:.4f}  "
                 f"train loss {mean_loss.item():.4f}  [{train_s:.1f} s]")
             hvd.barrier()
-            t0, nic0 = time.perf_counter(), nic_tx_bytes() if counting else 0
+            t0, nic0 = time.perf_counter(), _spawn.nic_tx_bytes() if counting else 0
     totals, _ = convergence.evaluate_averaged(net, work.score)
     row["final_quality"] = (totals[0] / totals[2]).item()
     # every host's count, summed: the bytes on the wire
