@@ -253,6 +253,16 @@ def parser(doc: str, out_name: str, sizes=None):
     return p
 
 
+def choices(parser, value: str, known, what: str) -> List[str]:
+    """The comma-separated names in ``value``, all of them in ``known`` (else the parser's
+    error names the unknown ones)."""
+    chosen = value.split(",")
+    unknown = [c for c in chosen if c not in known]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}: choose from {', '.join(known)}")
+    return chosen
+
+
 def human(n) -> str:
     """A byte count as 4 KiB, 16 MiB, ..."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -407,14 +407,8 @@ def main():
         args.steps, args.warmup, args.syncs = 2, 1, 1
         if args.settings == ",".join(SETTINGS):
             args.settings = QUICK_SETTINGS
-    settings = args.settings.split(",")
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        p.error(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
-    methods = args.methods.split(",")
-    if [m for m in methods if m not in METHODS]:
-        p.error(f"unknown methods {[m for m in methods if m not in METHODS]}: "
-                f"choose from {', '.join(METHODS)}")
+    settings = _spawn.choices(p, args.settings, SETTINGS, "settings")
+    methods = _spawn.choices(p, args.methods, METHODS, "methods")
     # Compute-only steps first: every other method's split needs its family's.
     needed = {FAMILY[m] for m in methods if m in FAMILY}
     methods = [m for m in METHODS if m in set(methods) | needed]

@@ -571,15 +571,9 @@ def main():
         args.reps, args.steps = 1, min(args.steps, 100)
         if args.methods == ",".join(METHODS):
             args.methods = ",".join(QUICK_METHODS)
-    settings = (args.settings.split(",") if args.settings
-                else list(SETTINGS) if args.lab else ["loopback-2x1"])
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:
-        p.error(f"unknown settings {unknown}: choose from {', '.join(SETTINGS)}")
-    methods = args.methods.split(",")
-    if [m for m in methods if m not in METHODS]:
-        p.error(f"unknown methods {[m for m in methods if m not in METHODS]}: "
-                f"choose from {', '.join(METHODS)}")
+    settings = _spawn.choices(p, args.settings or (",".join(SETTINGS) if args.lab
+                                                   else "loopback-2x1"), SETTINGS, "settings")
+    methods = _spawn.choices(p, args.methods, METHODS, "methods")
     periods = {"diloco_h10": 10, "diloco_h50": 50, "diloco_h50_onebit": 50,
                "slamb": SLAMB_INTERVAL, "ddp_local_sgd": args.period}
     misaligned = [m for m in methods if args.eval_every % periods.get(m, 1)]
