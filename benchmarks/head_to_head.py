@@ -418,46 +418,55 @@ def markdown(report) -> str:
     return "\n".join(lines)
 
 
-def comparisons(report) -> str:
-    """The figures the method choice turns on, from the repetitions' medians: each method's
-    slow-link penalty (time to target on a shaped link over Average's on loopback, same ranks
-    per host), wire bytes to target against Average's, final quality against Average's and
-    throughput against DDP's hook of the same rank."""
+def derived(report) -> dict:
+    """The figures the method choice turns on, from the repetitions' medians, per lab setting
+    and method: ``penalty`` (time to target over Average's on loopback with as many ranks per
+    host), ``fewer_bytes`` (Average's wire bytes to target over the method's), ``final_vs_average``
+    (quality difference; percentage points for the CNN), and for our PowerSGD
+    ``throughput_vs_hook`` and ``final_vs_hook`` against DDP's hook of the same rank."""
     table = summary(report)
     scale = 100.0 if report["workload"] == "cnn" else 1.0
-    unit = "pp" if scale > 1 else "bits/byte"
+    medians = {setting: {method: {key: _median(values) for key, values in figures.items()}
+                         for method, figures in rows.items()}
+               for setting, rows in table.items()}
+    out = {}
+    for setting, rows in medians.items():
+        if not setting.startswith("lab-") or "average" not in rows:
+            continue
+        loop = medians.get("loopback-" + setting.rsplit("-", 1)[1], {}).get("average", {})
+        base, avg = loop.get("to_target_s"), rows["average"]
+        per = out[setting] = {}
+        for method, m in rows.items():
+            per[method] = {
+                "penalty": m["to_target_s"] / base if m["to_target_s"] and base else None,
+                "fewer_bytes": (avg["nic_bytes_to_target"] / m["nic_bytes_to_target"]
+                                if m["nic_bytes_to_target"] and avg["nic_bytes_to_target"]
+                                else None),
+                "final_vs_average": scale * (m["final"] - avg["final"])}
+            hook = rows.get("ddp_" + method)
+            if method.startswith("powersgd") and hook:
+                per[method]["throughput_vs_hook"] = m["samples_per_s"] / hook["samples_per_s"]
+                per[method]["final_vs_hook"] = scale * (m["final"] - hook["final"])
+    return {"medians": medians, "against": out}
+
+
+def comparisons(report) -> str:
+    """``derived``'s comparisons as markdown tables, one per lab setting."""
+    unit = "pp" if report["workload"] == "cnn" else "bits/byte"
     lines = []
-    for per_node in (1, 2):
-        loop = table.get(f"loopback-2x{per_node}", {}).get("average")
-        base = _median(loop["to_target_s"]) if loop else None
-        for rate in ("100mbit", "1gbit"):
-            rows = table.get(f"lab-{rate}-2x{per_node}")
-            if not rows or "average" not in rows:
-                continue
-            avg = rows["average"]
-            avg_bytes = _median(avg["nic_bytes_to_target"])
-            avg_final = statistics.median(avg["final"])
-            lines += [f"\n**lab-{rate}-2x{per_node}** against Average"
-                      + (f" on loopback-2x{per_node} ({base:.1f} s to target)" if base else ""),
-                      "", "| method | slow-link penalty | wire bytes to target vs Average | "
-                      f"final vs Average ({unit}) |", "|---|---|---|---|"]
-            for method in [m for m in METHODS if m in rows]:
-                r = rows[method]
-                to = _median(r["to_target_s"])
-                sent = _median(r["nic_bytes_to_target"])
-                final = statistics.median(r["final"])
-                lines.append(
-                    f"| {method} | {f'{to / base:.2f}x' if to and base else 'not reached'} | "
-                    f"{f'{avg_bytes / sent:.1f}x fewer' if sent and avg_bytes else '-'} | "
-                    f"{scale * (final - avg_final):+.2f} |")
-            hooks = [(f"powersgd_r{k}", f"ddp_powersgd_r{k}") for k in (1, 4)]
-            for ours, theirs in hooks:
-                if ours in rows and theirs in rows:
-                    a, b = rows[ours], rows[theirs]
-                    lines.append(
-                        f"\n{ours} against {theirs}: throughput "
-                        f"{_median(a['samples_per_s']) / _median(b['samples_per_s']):.2f}x, "
-                        f"final {scale * (statistics.median(a['final']) - statistics.median(b['final'])):+.2f} {unit}")
+    for setting, rows in derived(report)["against"].items():
+        lines += [f"\n**{setting}**: against Average (penalty: time to target over Average's "
+                  f"on loopback)", "", "| method | slow-link penalty | wire bytes to target | "
+                  f"final vs Average ({unit}) |", "|---|---|---|---|"]
+        for method in [m for m in METHODS if m in rows]:
+            r = rows[method]
+            penalty = f"{r['penalty']:.2f}x" if r["penalty"] else "not reached"
+            fewer = f"{r['fewer_bytes']:.1f}x fewer" if r["fewer_bytes"] else "-"
+            lines.append(f"| {method} | {penalty} | {fewer} | {r['final_vs_average']:+.2f} |")
+        for method in [m for m in METHODS if "throughput_vs_hook" in rows.get(m, {})]:
+            r = rows[method]
+            lines.append(f"\n{method} against ddp_{method}: throughput "
+                         f"{r['throughput_vs_hook']:.2f}x, final {r['final_vs_hook']:+.2f} {unit}")
     return "\n".join(lines)
 
 
@@ -554,6 +563,8 @@ def main():
     p.add_argument("--count-nic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier report")
     p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's tables")
+    p.add_argument("--derive", metavar="JSON",
+                   help="only recompute an earlier report's medians and comparisons, in place")
     args = p.parse_args()
     defaults = WORKLOADS[args.workload]
     args.steps = args.steps or defaults["steps"]
@@ -564,6 +575,10 @@ def main():
     if args.markdown:
         report = _spawn.read_report(args.markdown)
         return print(markdown(report) + "\n" + comparisons(report))
+    if args.derive:
+        report = _spawn.read_report(args.derive)
+        report["derived"] = derived(report)
+        return _spawn.write_report(args.derive, report)
     stem = os.path.splitext(args.plot or args.out)[0]
     if args.plot:
         return plot(_spawn.read_report(args.plot), stem)
@@ -604,6 +619,7 @@ def main():
                                    "ranks_per_node": SETTINGS[name][2], "runs": res["runs"]})
         print(f"[{time.monotonic() - start:.0f} s elapsed]")
         print_tables({**report, "settings": report["settings"][-1:]})
+        report["derived"] = derived(report)
         _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
     _spawn.plot_if_possible(plot, report, stem)
     print(f"total {time.monotonic() - start:.0f} s")
