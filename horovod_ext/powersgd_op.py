@@ -6,8 +6,8 @@ DistributedOptimizer hands it DDP's buckets (consecutive layers up to
 HOROVOD_GRADIENT_BUCKET_BYTES, one request each), so the factors of all a bucket's matrices go
 in one allreduce, as with torch's hook.
 ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` with several nodes: an exact average inside the node, then
-PowerSGD across nodes among the ranks of the same local rank (every local rank holds the same
-node average and the same state, so they agree).  Its state is part of the DistributedOptimizer's
+PowerSGD across nodes, each rank of a node taking its share of the buffer's layers (with the
+ranks of the same local rank on the other nodes), then the shares joined inside the node.  Its state is part of the DistributedOptimizer's
 ``state_dict()`` (bitwise resume).
 
 Name your requests: an unnamed call gets a fresh name, hence fresh (zero) error and a random Q,
@@ -19,6 +19,7 @@ from powersgd import PowerSGDState, powersgd_allreduce_
 
 from .backends.base import ReduceOp
 from .ops import Op, get_op, register_op
+from .partition import balanced_parts
 
 
 class PowerSGDOp(Op):
@@ -51,20 +52,40 @@ class PowerSGDOp(Op):
 
     def allreduce(self, buffer, layers, comms):
         key = tuple(layer.name for layer in layers) or ("",)
-        state = self._states.get(key)
-        if state is None:
-            state = self._states[key] = PowerSGDState()
         shapes = [layer.shape for layer in layers] or [tuple(buffer.shape)]
         numels = [layer.numel for layer in layers] or [buffer.numel()]
         flat = buffer.view(-1)
-        comm = comms.world
-        if comms.hierarchical_allreduce and comms.hierarchy_applies:
-            topo = comms.topology
-            topo.node_allreduce(flat, ReduceOp.SUM).div_(topo.local_size)
-            comm = topo.cross
-        powersgd_allreduce_(flat, shapes, numels, comm, state, key="/".join(key),
-                            **self.settings)
+        if not (comms.hierarchical_allreduce and comms.hierarchy_applies):
+            powersgd_allreduce_(flat, shapes, numels, comms.world, self._state(key),
+                                key="/".join(key), **self.settings)
+            return buffer
+        topo = comms.topology
+        topo.node_allreduce(flat, ReduceOp.SUM).div_(topo.local_size)
+        if topo.local_size == 1:
+            powersgd_allreduce_(flat, shapes, numels, topo.cross, self._state(key),
+                                key="/".join(key), **self.settings)
+            return buffer
+        # Every rank of a node holds the node average: each takes its share of the layers
+        # across nodes (with the same local rank on the other nodes), and the shares are
+        # joined inside the node, so no layer crosses the network twice.
+        mine = balanced_parts(numels, topo.local_size)[topo.local_rank]
+        start = sum(numels[:mine[0]]) if mine else 0
+        end = start + sum(numels[i] for i in mine)
+        if mine:
+            part = tuple(key[i] for i in mine)
+            powersgd_allreduce_(flat[start:end], [shapes[i] for i in mine],
+                                [numels[i] for i in mine], topo.cross, self._state(part),
+                                key="/".join(part), **self.settings)
+        flat[:start].zero_()
+        flat[end:].zero_()
+        topo.node_allreduce(flat, ReduceOp.SUM)
         return buffer
+
+    def _state(self, key: Tuple[str, ...]) -> PowerSGDState:
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = PowerSGDState()
+        return state
 
     # --- inspection and checkpoints --------------------------------------------------------
     @property

@@ -193,6 +193,7 @@ def body_streaming(overlap):
     assert opt.fragments == [[names[i] for i in f] for f in FRAGMENTS]
     for step in range(STEPS):
         _local_step(model, opt, hvd.rank(), step)
+    opt.state_dict()   # waits for the reduction still in flight before the ranks shut down
     return [p.detach().clone() for p in model.parameters()], opt.outer_steps
 
 
@@ -272,6 +273,7 @@ def body_resume_streaming():
     opt.load_state_dict(saved[1])
     for step in range(6, STEPS):
         _local_step(model, opt, hvd.rank(), step)
+    opt.state_dict()
     return all(torch.equal(a, b.detach()) for a, b in zip(first, model.parameters()))
 
 

@@ -130,19 +130,25 @@ def test_rank_1_without_warm_start(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hierarchical_is_a_node_average_then_powersgd_across_nodes(backend):
     """Two pretend nodes of 2 ranks: every rank of node n ends with what one PowerSGD worker
-    whose gradient is its node's average would get."""
+    whose gradient is its node's average would get; each local rank takes its share of the
+    layers across nodes (by size: local rank 0 the 16 x 12 matrix, local rank 1 the rest), so
+    each layer crosses once per node."""
     results = run_ranks(body, 4, backend, args=(2, True), hostnames=["a", "a", "b", "b"],
                         env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
 
     def node_grad(node, step, shape):
         return (_grad(2 * node, step, shape) + _grad(2 * node + 1, step, shape)) / 2
 
-    group = _simulate(2, GROUP, "group.0/group.1/group.2", 2, True, node_grad)
-    for r, (steps, _) in enumerate(results):
+    first = _simulate(2, GROUP[:1], "group.0", 2, True, node_grad)
+    rest = _simulate(2, GROUP[1:], "group.1/group.2", 2, True, node_grad)
+    for r, (steps, sent) in enumerate(results):
         for step, got in enumerate(steps):
+            want = first[step][r // 2] + rest[step][r // 2]
             for i in range(len(GROUP)):
-                torch.testing.assert_close(got[i].reshape(-1), group[step][r // 2][i],
-                                           rtol=1e-9, atol=1e-9)
+                torch.testing.assert_close(got[i].reshape(-1), want[i], rtol=1e-9, atol=1e-9)
+    # the shares add up to one PowerSGD worker's traffic per node, not one per rank
+    flat = run_ranks(body, 2, backend, args=(2, True))
+    assert results[0][1] + results[1][1] == flat[0][1]
 
 
 # matrices of one shape (16 x 12) at positions 0, 2 and 5, batched into one bmm

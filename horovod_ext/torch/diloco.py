@@ -27,23 +27,9 @@ import torch
 
 from ..engine import HorovodInternalError
 from ..ops import Average, get_op
+from ..partition import balanced_parts
 from ..process_sets import global_process_set
 from .mpi_ops import allreduce_async_, synchronize
-
-
-def split_evenly(named: List[Tuple[str, torch.Tensor]], parts: int) -> List[List[str]]:
-    """The names of ``named`` cut into ``parts`` consecutive, non-empty groups of about equal
-    element count."""
-    total = max(1, sum(p.numel() for _, p in named))
-    groups: List[List[str]] = [[] for _ in range(parts)]
-    seen, previous = 0, -1
-    for i, (name, p) in enumerate(named):
-        wanted = int(parts * (seen + p.numel() / 2) / total)  # where the tensor's middle falls
-        at = max(previous, min(wanted, previous + 1))          # in order, no group skipped
-        at = min(max(at, parts - (len(named) - i)), parts - 1)  # one left for each later group
-        groups[at].append(name)
-        seen, previous = seen + p.numel(), at
-    return groups
 
 
 class DiLoCo:
@@ -92,7 +78,9 @@ class DiLoCo:
         self.mixing = float(mixing)
         self.op = get_op(op)
         self.process_set = process_set
-        self.fragments: List[List[str]] = split_evenly(named, fragments)
+        self.fragments: List[List[str]] = [
+            [named[i][0] for i in part]
+            for part in balanced_parts([p.numel() for _, p in named], fragments)]
         # fragment f syncs at offset[f] + k * sync_every: one fragment: every sync_every steps
         self.offsets = [(f + 1) * sync_every // fragments for f in range(fragments)]
         with torch.no_grad():
