@@ -431,18 +431,18 @@ def derived(report) -> dict:
                for setting, rows in table.items()}
     out = {}
     for setting, rows in medians.items():
-        if not setting.startswith("lab-") or "average" not in rows:
+        if not setting.startswith("lab-"):
             continue
         loop = medians.get("loopback-" + setting.rsplit("-", 1)[1], {}).get("average", {})
-        base, avg = loop.get("to_target_s"), rows["average"]
+        base, avg = loop.get("to_target_s"), rows.get("average", {})
         per = out[setting] = {}
         for method, m in rows.items():
             per[method] = {
                 "penalty": m["to_target_s"] / base if m["to_target_s"] and base else None,
                 "fewer_bytes": (avg["nic_bytes_to_target"] / m["nic_bytes_to_target"]
-                                if m["nic_bytes_to_target"] and avg["nic_bytes_to_target"]
+                                if m["nic_bytes_to_target"] and avg.get("nic_bytes_to_target")
                                 else None),
-                "final_vs_average": scale * (m["final"] - avg["final"])}
+                "final_vs_average": scale * (m["final"] - avg["final"]) if avg else None}
             hook = rows.get("ddp_" + method)
             if method.startswith("powersgd") and hook:
                 per[method]["throughput_vs_hook"] = m["samples_per_s"] / hook["samples_per_s"]
@@ -455,13 +455,17 @@ def comparisons(report) -> str:
     unit = "pp" if report["workload"] == "cnn" else "bits/byte"
     lines = []
     for setting, rows in derived(report)["against"].items():
-        lines += [f"\n**{setting}**: against Average (penalty: time to target over Average's "
-                  f"on loopback)", "", "| method | slow-link penalty | wire bytes to target | "
-                  f"final vs Average ({unit}) |", "|---|---|---|---|"]
-        for method in [m for m in METHODS if m in rows]:
+        if "average" not in rows:
+            lines.append(f"\n**{setting}**")
+        else:
+            lines += [f"\n**{setting}**: against Average (penalty: time to target over Average's "
+                      f"on loopback)", "", "| method | slow-link penalty | wire bytes to target "
+                      f"| final vs Average ({unit}) |", "|---|---|---|---|"]
+        for method in [m for m in METHODS if m in rows and "average" in rows]:
             r = rows[method]
             penalty = f"{r['penalty']:.2f}x" if r["penalty"] else "not reached"
-            fewer = f"{r['fewer_bytes']:.1f}x fewer" if r["fewer_bytes"] else "-"
+            fewer = ("-" if not r["fewer_bytes"] else f"{r['fewer_bytes']:.1f}x fewer"
+                     if r["fewer_bytes"] >= 1 else f"{1 / r['fewer_bytes']:.1f}x more")
             lines.append(f"| {method} | {penalty} | {fewer} | {r['final_vs_average']:+.2f} |")
         for method in [m for m in METHODS if "throughput_vs_hook" in rows.get(m, {})]:
             r = rows[method]
@@ -475,13 +479,15 @@ def plot(report, stem):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     settings = report["settings"]
     cols = min(3, len(settings))
     rows = (len(settings) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
     scale = 100.0 if report["workload"] == "cnn" else 1.0
-    colours = plt.get_cmap("tab20")
+    tab20 = plt.get_cmap("tab20")
+    colours = lambda i: tab20((2 * i) % 20 + (2 * i) // 20)  # noqa: E731  (hues apart first)
     for ax, setting in zip(axes.flat, settings):
         by_method = {}
         for run in setting["runs"]:
@@ -495,6 +501,8 @@ def plot(report, stem):
                     linestyle="--" if method.startswith("ddp") else "-", label=method)
         ax.axhline(scale * report["target"], color="grey", linewidth=0.8, linestyle=":")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_title(setting["setting"], fontsize=9)
         ax.set_xlabel("training time, s (log; evaluations excluded)")
         ax.set_ylabel(report["quality"] + (" (%)" if scale > 1 else ""))
@@ -621,7 +629,7 @@ def main():
         print_tables({**report, "settings": report["settings"][-1:]})
         report["derived"] = derived(report)
         _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
-    _spawn.plot_if_possible(plot, report, stem)
+    _spawn.plot_if_possible(plot, _spawn.read_report(args.out), stem)  # with commit and date
     print(f"total {time.monotonic() - start:.0f} s")
 
 
