@@ -7,8 +7,8 @@ HOROVOD_GRADIENT_BUCKET_BYTES, one request each), so the factors of all a bucket
 in one allreduce, as with torch's hook.
 ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` with several nodes: an exact average inside the node, then
 PowerSGD across nodes, each rank of a node taking its share of the buffer's layers (with the
-ranks of the same local rank on the other nodes), then the shares joined inside the node.  Its state is part of the DistributedOptimizer's
-``state_dict()`` (bitwise resume).
+ranks of the same local rank on the other nodes), then the shares joined inside the node.  Its
+state is part of the DistributedOptimizer's ``state_dict()`` (bitwise resume).
 
 Name your requests: an unnamed call gets a fresh name, hence fresh (zero) error and a random Q,
 every time.
