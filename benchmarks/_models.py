@@ -78,7 +78,9 @@ class CharLM(torch.nn.Module):
     positions, output tied to the embedding.  The default (hidden 128, 2 layers, 4 heads,
     context 64) has 0.42 M parameters."""
 
-    def __init__(self, hidden: int = 128, layers: int = 2, heads: int = 4, seq: int = 64):
+    CONTEXT = 64
+
+    def __init__(self, hidden: int = 128, layers: int = 2, heads: int = 4, seq: int = CONTEXT):
         super().__init__()
         self.seq = seq
         self.tok = torch.nn.Embedding(256, hidden)

@@ -114,7 +114,7 @@ class Workload:
         else:
             train, held = fortunes_corpus()
             self.make_model = _models.CharLM
-            seq = _models.CharLM().seq + 1
+            seq = _models.CharLM.CONTEXT + 1
             # training samples: every window start; held-out: fixed, non-overlapping windows
             self.corpus = train.long()
             self.samples = len(train) - seq
@@ -225,10 +225,6 @@ def build(method, net, args, total, seed, per_node):
     raise ValueError(f"unknown method {method!r}")
 
 
-def lr_of(method, args):
-    return args.lamb_lr if method in LAMB_METHODS else args.adam_lr
-
-
 def train(method, work, args, rep, log):
     """One run: its evaluations (step, training seconds, quality, NIC bytes so far)."""
     import torch
@@ -243,6 +239,7 @@ def train(method, work, args, rep, log):
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     module, opt = build(method, net, args, total, seed, hvd.local_size())
     order = torch.randperm(work.samples, generator=torch.Generator().manual_seed(seed))
+    peak_lr = args.lamb_lr if method in LAMB_METHODS else args.adam_lr
     row = {"evals": [], "losses": []}
     # only the host's first rank counts its NIC (ranks of a host share it)
     counting = args.count_nic and hvd.local_rank() == 0
@@ -253,7 +250,7 @@ def train(method, work, args, rep, log):
         first = (step * args.global_batch) % work.samples
         idx = order[first + rank * per_rank:first + (rank + 1) * per_rank]
         for group in opt.param_groups:
-            group["lr"] = lr_of(method, args) * (total - step) / total
+            group["lr"] = peak_lr * (total - step) / total
         opt.zero_grad()
         loss = work.loss(module, work.batch(idx))
         loss.backward()
@@ -355,7 +352,7 @@ def _median(values):
 
 
 def _cell(values, fmt, scale=1.0):
-    """median (min-max) of the repetitions; '-' where a repetition has no value."""
+    """median (min-max) of the repetitions; "not reached" where a repetition has no value."""
     known = [v * scale for v in values if v is not None]
     if len(known) < len(values) or not known:
         return f"not reached ({len(known)}/{len(values)})" if known else "not reached"
@@ -365,11 +362,16 @@ def _cell(values, fmt, scale=1.0):
     return text
 
 
-def table_rows(report, setting, rows):
+def _scale(report) -> float:
+    """Quality as printed: the CNN's accuracy in percent, the language model's bits as they are."""
+    return 100.0 if report["workload"] == "cnn" else 1.0
+
+
+def table_rows(report, rows):
     """Rows of one setting's table: each figure's median and range over the repetitions."""
-    base = _median(rows.get("ddp", {}).get("samples_per_s", [None])) if "ddp" in rows else None
+    base = _median(rows["ddp"]["samples_per_s"]) if "ddp" in rows else None
     quality = "acc %" if report["workload"] == "cnn" else "bits/byte"
-    scale = 100.0 if report["workload"] == "cnn" else 1.0
+    scale = _scale(report)
     out = []
     for method in [m for m in METHODS if m in rows]:
         r = rows[method]
@@ -392,7 +394,7 @@ def print_tables(report):
     if apart:
         print(f"ranks' models differed at an evaluation (a bug): {apart}")
     for setting, rows in summary(report).items():
-        table = table_rows(report, setting, rows)
+        table = table_rows(report, rows)
         if not table:
             continue
         keys = list(table[0])
@@ -408,7 +410,7 @@ def markdown(report) -> str:
     """The tables of docs/results.md: one per setting."""
     lines = []
     for setting, rows in summary(report).items():
-        table = table_rows(report, setting, rows)
+        table = table_rows(report, rows)
         if not table:
             continue
         keys = list(table[0])
@@ -425,7 +427,7 @@ def derived(report) -> dict:
     (quality difference; percentage points for the CNN), and for our PowerSGD
     ``throughput_vs_hook`` and ``final_vs_hook`` against DDP's hook of the same rank."""
     table = summary(report)
-    scale = 100.0 if report["workload"] == "cnn" else 1.0
+    scale = _scale(report)
     medians = {setting: {method: {key: _median(values) for key, values in figures.items()}
                          for method, figures in rows.items()}
                for setting, rows in table.items()}
@@ -485,7 +487,7 @@ def plot(report, stem):
     cols = min(3, len(settings))
     rows = (len(settings) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
-    scale = 100.0 if report["workload"] == "cnn" else 1.0
+    scale = _scale(report)
     tab20 = plt.get_cmap("tab20")
     colours = lambda i: tab20((2 * i) % 20 + (2 * i) // 20)  # noqa: E731  (hues apart first)
     for ax, setting in zip(axes.flat, settings):

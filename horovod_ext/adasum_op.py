@@ -24,11 +24,7 @@ from .ops import Op, average_, register_op
 
 class AdasumOp(Op):
     name = "adasum"
-
-    def check_dtype(self, dtype):
-        if not dtype.is_floating_point:
-            return f"op adasum needs floating-point tensors, got {str(dtype).replace('torch.', '')}"
-        return None
+    floating_point_only = True
 
     def allreduce(self, buffer, layers, comms):
         bounds = [(layer.offset, layer.numel) for layer in layers]

@@ -19,16 +19,13 @@ from .ops import Op, register_op
 
 class OneBitOp(Op):
     name = "onebit"
+    floating_point_only = True
     # Errors are kept per request: requests must never share a fusion buffer.
     fuse_across_requests = False
 
     def __init__(self):
         self._errors: Dict[Tuple[str, ...], ErrorFeedback] = {}
 
-    def check_dtype(self, dtype):
-        if not dtype.is_floating_point:
-            return f"op onebit compresses floating-point tensors only, not {dtype}"
-        return None
 
     def allreduce(self, buffer, layers, comms):
         key = tuple(layer.name for layer in layers)

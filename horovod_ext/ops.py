@@ -37,6 +37,8 @@ class Op:
     # reduces its gradients in fixed groups of consecutive layers, DDP's buckets, one request
     # each with the tensors' boundaries, instead of one request per gradient.
     layer_buckets: bool = False
+    # True for ops whose arithmetic needs real numbers (compression, dot products)
+    floating_point_only: bool = False
 
     def allreduce(self, buffer: torch.Tensor, layers: Sequence[Layer],
                   comms: Collectives) -> torch.Tensor:
@@ -46,6 +48,9 @@ class Op:
 
     def check_dtype(self, dtype: torch.dtype) -> Optional[str]:
         """A reason this op cannot reduce ``dtype``, or None."""
+        if self.floating_point_only and not dtype.is_floating_point:
+            return (f"op {self.name} needs floating-point tensors, got "
+                    f"{str(dtype).replace('torch.', '')}")
         if dtype == torch.bool:
             return f"op {self.name} does not support bool tensors"
         return None

@@ -23,6 +23,7 @@ from .partition import balanced_parts
 
 
 class PowerSGDOp(Op):
+    floating_point_only = True
     fuse_across_requests = False
     layer_buckets = True
 
@@ -45,10 +46,6 @@ class PowerSGDOp(Op):
         self.name = op_name(**self.settings)
         self._states: Dict[Tuple[str, ...], PowerSGDState] = {}
 
-    def check_dtype(self, dtype):
-        if not dtype.is_floating_point:
-            return f"op {self.name} compresses floating-point tensors only, not {dtype}"
-        return None
 
     def allreduce(self, buffer, layers, comms):
         key = tuple(layer.name for layer in layers) or ("",)

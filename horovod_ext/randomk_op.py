@@ -29,6 +29,7 @@ from .ops import Layer, Op, get_op, register_op
 
 
 class RandomKOp(Op):
+    floating_point_only = True
     fuse_across_requests = False
 
     def __init__(self, ratio: float, small_tensor_numel: int = SMALL_TENSOR_NUMEL, seed: int = 0):
@@ -41,10 +42,6 @@ class RandomKOp(Op):
         self.steps: Dict[str, int] = {}      # per layer name: how many times it was reduced
         self.bytes_sent = 0                  # payload bytes this rank put into allreduces
 
-    def check_dtype(self, dtype):
-        if not dtype.is_floating_point:
-            return f"op {self.name} averages floating-point tensors only, not {dtype}"
-        return None
 
     def allreduce(self, buffer, layers, comms):
         flat = buffer.view(-1)

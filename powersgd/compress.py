@@ -69,7 +69,7 @@ class _Batch:
 
 @dataclass
 class _Plan:
-    full: List[Tuple[int, int]]          # (offset, numel) of the tensors averaged in full
+    full: torch.Tensor                   # the buffer positions of the tensors averaged in full
     matrices: List[_Batch]
     p_numel: int
     q_numel: int
@@ -95,7 +95,7 @@ class PowerSGDState:
 
 
 def _plan(shapes: Sequence[Tuple[int, ...]], numels: Sequence[int], rank: int,
-          min_compression_rate: float, batch_same_shape: bool = False) -> _Plan:
+          min_compression_rate: float, batch_same_shape: bool, device) -> _Plan:
     full, compressed = [], []
     offset = 0
     for shape, numel in zip(shapes, numels):
@@ -107,7 +107,7 @@ def _plan(shapes: Sequence[Tuple[int, ...]], numels: Sequence[int], rank: int,
                 compressed.append((offset, n, m, r))
                 offset += numel
                 continue
-        full.append((offset, numel))
+        full.append(torch.arange(offset, offset + numel))
         offset += numel
     batches: Dict[Tuple[int, ...], _Batch] = {}   # in order of first appearance
     p_at = q_at = 0
@@ -119,7 +119,8 @@ def _plan(shapes: Sequence[Tuple[int, ...]], numels: Sequence[int], rank: int,
         batch.p_at, batch.q_at = p_at, q_at
         p_at += len(batch.offsets) * batch.n * batch.r
         q_at += len(batch.offsets) * batch.m * batch.r
-    return _Plan(full, list(batches.values()), p_at, q_at)
+    full_index = torch.cat(full) if full else torch.empty(0, dtype=torch.long)
+    return _Plan(full_index.to(device), list(batches.values()), p_at, q_at)
 
 
 def _random_q(numel: int, seed: int, key: str, rounds: int, dtype, device) -> torch.Tensor:
@@ -150,7 +151,7 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
         return allreduce_average_(buffer, comm)
     if state.plan is None:
         state.plan = _plan(shapes, numels, rank, min_compression_rate,
-                           batch_tensors_with_same_shape)
+                           batch_tensors_with_same_shape, buffer.device)
     plan = state.plan
     if use_error_feedback:
         if state.error is None:
@@ -159,19 +160,14 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
         before = buffer.clone()
     # The tensors averaged in full travel in the same allreduce as P (a sum: P is
     # orthogonalised next, so it need not be averaged): one collective fewer per round.
-    full = sum(n for _, n in plan.full)
+    full = plan.full.numel()
     first = torch.empty(full + plan.p_numel, dtype=buffer.dtype, device=buffer.device)
-    at = 0
-    for o, n in plan.full:
-        first[at:at + n].copy_(buffer[o:o + n])
-        at += n
+    torch.index_select(buffer, 0, plan.full, out=first[:full])
     views = []
     if plan.matrices:
+        fresh = state.q is None or not warm_start
         if state.q is None:
             state.q = torch.empty(plan.q_numel, dtype=buffer.dtype, device=buffer.device)
-            fresh = True
-        else:
-            fresh = not warm_start
         if fresh:
             state.q.copy_(_random_q(plan.q_numel, seed, key, round_index, buffer.dtype,
                                     buffer.device))
@@ -189,13 +185,9 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
         for mat, pv, qv, _ in views:
             orthogonalize_(qv, orthogonalization_epsilon)
             torch.bmm(mat, qv, out=pv)
-        if comm.size > 1:
-            comm.allreduce(first, ReduceOp.SUM)
-            first[:full].div_(comm.size)
-        at = 0
-        for o, n in plan.full:
-            buffer[o:o + n].copy_(first[at:at + n])
-            at += n
+        comm.allreduce(first, ReduceOp.SUM)
+        first[:full].div_(comm.size)
+        buffer.index_copy_(0, plan.full, first[:full])
     if plan.matrices:
         with trace.activity("POWERSGD_Q", state.q.numel() * state.q.element_size()):
             for mat, pv, qv, _ in views:
@@ -207,10 +199,8 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
             if len(batch.offsets) > 1:
                 for o, result in zip(batch.offsets, mat):
                     buffer[o:o + batch.n * batch.m].copy_(result.view(-1))
-    sent = plan.p_numel + plan.q_numel + sum(n for _, n in plan.full)
-    state.bytes_sent += _ring_bytes(sent, buffer.element_size(), comm.size)
+    state.bytes_sent += _ring_bytes(full + plan.p_numel + plan.q_numel, buffer.element_size(),
+                                    comm.size)
     if use_error_feedback:
         torch.sub(before, buffer, out=state.error)
-    if not warm_start:
-        state.q = None
     return buffer
