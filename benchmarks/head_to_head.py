@@ -68,10 +68,11 @@ SETTINGS = {  # name: (where, rate, ranks per node)
     "loopback-2x1": ("loopback", None, 1), "lab-1gbit-2x1": ("lab", "1gbit", 1),
     "lab-100mbit-2x1": ("lab", "100mbit", 1), "loopback-2x2": ("loopback", None, 2),
     "lab-1gbit-2x2": ("lab", "1gbit", 2), "lab-100mbit-2x2": ("lab", "100mbit", 2)}
-WORKLOADS = {  # name: default steps, global batch, target, quality's name, higher is better
-    "cnn": dict(steps=450, global_batch=128, target=0.85, quality="test accuracy", higher=True),
-    "lm": dict(steps=300, global_batch=32, target=2.6, quality="held-out bits per byte",
-               higher=False)}
+WORKLOADS = {  # name: default steps, global batch, target, Adam's lr, quality, higher is better
+    "cnn": dict(steps=450, global_batch=128, target=0.85, adam_lr=2e-3, quality="test accuracy",
+                higher=True),
+    "lm": dict(steps=600, global_batch=32, target=3.6, adam_lr=3e-3,
+               quality="held-out bits per byte", higher=False)}
 FORTUNES = "/usr/share/games/fortunes"
 LAMB_METHODS = ("onebit_lamb", "slamb")
 SLAMB_INTERVAL = 50
@@ -550,7 +551,7 @@ def main():
     p.add_argument("--settings", help=f"of {', '.join(SETTINGS)} (default: loopback-2x1; "
                                       f"with --lab all)")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, help="training steps per run (cnn 450, lm 300)")
+    p.add_argument("--steps", type=int, help="training steps per run (cnn 450, lm 600)")
     p.add_argument("--global-batch", type=int, help="samples per step, all ranks (cnn 128, "
                                                     "lm 32 windows)")
     p.add_argument("--eval-every", type=int, default=50)
@@ -558,10 +559,11 @@ def main():
                    help="test samples of the evaluations during training (the final one "
                         "takes all)")
     p.add_argument("--target", type=float,
-                   help="quality to reach at an evaluation (cnn 0.85 test accuracy, lm 2.6 "
+                   help="quality to reach at an evaluation (cnn 0.85 test accuracy, lm 3.6 "
                         "bits per byte)")
     p.add_argument("--period", type=int, default=10, help="ddp_local_sgd's averaging period")
-    p.add_argument("--adam-lr", type=float, default=2e-3)
+    p.add_argument("--adam-lr", type=float, help="Adam's and 1-bit Adam's peak lr (cnn 2e-3, "
+                                                 "lm 3e-3)")
     p.add_argument("--adam-eps", type=float, default=1e-4)
     p.add_argument("--lamb-lr", type=float, default=1e-2)
     p.add_argument("--lamb-eps", type=float, default=1e-3)
@@ -580,6 +582,7 @@ def main():
     args.steps = args.steps or defaults["steps"]
     args.global_batch = args.global_batch or defaults["global_batch"]
     args.target = defaults["target"] if args.target is None else args.target
+    args.adam_lr = args.adam_lr or defaults["adam_lr"]
     if args.worker:
         return worker(args)
     if args.markdown:
