@@ -19,7 +19,7 @@ Global batch fixed (``--global-batch``), split among the ranks, so that every se
 the same number of samples in the same number of steps.  Learning rate decays linearly to 0.
 
 Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
-  ddp                DistributedDataParallel, no hook
+  ddp                DistributedDataParallel (bucket_cap_mb=25, as our buckets), no hook
   ddp_fp16           DDP + fp16_compress_hook
   ddp_powersgd_r1/4  DDP + powerSGD_hook, matrix_approximation_rank 1 / 4, start after 10% of the
                      steps (torch's advice), warm start, error feedback
@@ -176,7 +176,11 @@ def build(method, net, args, total, seed, per_node):
     adam = lambda: torch.optim.Adam(net.parameters(), lr=args.adam_lr, eps=args.adam_eps)  # noqa: E731
     lamb = dict(lr=args.lamb_lr, eps=args.lamb_eps, min_coeff=0.01, max_coeff=10.0)
     if method.startswith("ddp"):
-        ddp = DistributedDataParallel(net)
+        # 25 MB buckets with no 1 MB first bucket, the plan of our own buckets.  With DDP's
+        # default first bucket the transformer has two buckets, and the PowerSGD hook's chained
+        # collectives of two buckets reach Gloo in a different order on each rank (a crash:
+        # "Received data size doesn't match expected size").  The CNN has one bucket either way.
+        ddp = DistributedDataParallel(net, bucket_cap_mb=25)
         opt = adam()
         if method == "ddp_fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
