@@ -147,6 +147,27 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar=("MIN", "MAX"),
                     help="a failed host may come back after a random time in [MIN, MAX] s "
                          "(default: never)")
+    pl = p.add_argument_group(
+        "scale model", "hvdrun --plan prints each op's predicted step time on a cluster (no job "
+                       "starts; needs SimGrid: apt-get install python3-simgrid)")
+    pl.add_argument("--plan", action="store_true",
+                    help="predict step times for the cluster and model below, and exit")
+    pl.add_argument("--model-size", help="trainable parameters, e.g. 340M or 1.3B")
+    pl.add_argument("--compute-ms", type=non_negative_float, default=0.0,
+                    help="forward + backward time per step on one rank, ms (default 0)")
+    pl.add_argument("--nodes", type=positive_int, default=2, help="nodes (default 2)")
+    pl.add_argument("--ranks-per-node", type=positive_int, default=1,
+                    help="ranks on each node (default 1)")
+    pl.add_argument("--link", default="10gbit", help="each node's link rate (default 10gbit)")
+    pl.add_argument("--latency", default="25us",
+                    help="one-way latency between nodes (default 25us)")
+    pl.add_argument("--nodes-per-rack", type=non_negative_int, default=0,
+                    help="nodes behind one top-of-rack switch (default 0: one switch)")
+    pl.add_argument("--oversubscription", type=positive_float, default=1.0,
+                    help="rack uplink oversubscription, e.g. 3 for 3:1 (default 1)")
+    pl.add_argument("--plan-ops", help="ops to compare, comma-separated (default: all)")
+    pl.add_argument("--plan-profile", help="calibrated costs (default: the package's "
+                                           "horovod_ext/planning/profile_cpu.json)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
     return p
 
@@ -157,6 +178,12 @@ def parse(argv=None) -> argparse.Namespace:
     parser = build_parser()
     o = parser.parse_args(argv)
     if o.version or o.check_build:
+        return o
+    if o.plan:
+        if o.command:
+            parser.error("--plan starts no job: drop the command")
+        if not o.model_size:
+            parser.error("--plan needs --model-size (e.g. 340M)")
         return o
     if not o.command:
         parser.error("no command given: e.g. hvdrun -np 2 python train.py")

@@ -192,6 +192,23 @@ def run_mpi(o, failures=None) -> int:
     return sup.run()
 
 
+def print_plan(o) -> int:
+    """hvdrun --plan: the scale model's table for the stated cluster and model."""
+    from horovod_ext import planning
+    ops = o.plan_ops.split(",") if o.plan_ops else tuple(planning.OPS)
+    try:
+        result = planning.plan(model_size=o.model_size, compute_ms=o.compute_ms, nodes=o.nodes,
+                               ranks_per_node=o.ranks_per_node, link=o.link, latency=o.latency,
+                               nodes_per_rack=o.nodes_per_rack,
+                               oversubscription=o.oversubscription, ops=ops,
+                               profile=o.plan_profile)
+    except (ValueError, FileNotFoundError, planning.EngineMissing) as exc:
+        _say(f"--plan: {exc}")
+        return 2
+    print(result.table())
+    return 0
+
+
 def launch(o, failures=None) -> int:
     """Start and supervise the job that options ``o`` describe; its exit status.  What ended
     it, when a rank failed, is appended to ``failures`` (``supervise.Failure``s)."""
@@ -208,6 +225,8 @@ def main(argv=None) -> int:
         return 0
     if o.check_build:
         return check_build()
+    if o.plan:
+        return print_plan(o)
     try:
         return launch(o)
     except (LaunchError, remote.Unreachable, mpi.MPIError) as exc:

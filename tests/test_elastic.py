@@ -57,6 +57,19 @@ def test_a_killed_worker_is_dropped_and_its_host_comes_back(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_down_to_one_worker_and_back(tmp_path):
+    """Two workers, one dies: the survivor trains alone (its optimizer reduces nothing at one
+    process) until the host returns, then the two reduce again."""
+    hosts = ["127.0.0.1:1", "127.0.0.2:1"]
+    proc, _ = elastic_run(tmp_path, hosts, ["-np", "2", "--min-np", "1",
+                                            "--blacklist-cooldown-range", "1", "1.5"],
+                          epochs=5, step_s=0.1, kills="1:0:2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_each_sample_once_per_epoch(tmp_path, 5, proc)
+    assert phases(result(tmp_path)["sizes"]) == [2, 1, 2], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
 def test_rank_0_dies_and_its_host_comes_back(tmp_path):
     """The worker of the first host (rank 0) dies; a fresh worker there later must not become
     rank 0 and hand its untrained state to the others."""

@@ -107,6 +107,40 @@ def test_average_matches_single_process_training(backend, np):
     assert run_ranks(body_cases, np, backend) == ["ok"] * np
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_process_reduces_nothing_and_matches(backend):
+    """At one process an elementwise op leaves each gradient as it is (compression's round trip
+    aside): no buckets, no engine requests, the same training as the reference."""
+    assert run_ranks(body_alone, 1, backend) == ["ok"]
+
+
+def body_alone():
+    import horovod_ext.torch as hvd
+    from horovod_ext import runtime
+    body_cases()
+    model, opt = make("sgd")
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   op=hvd.Average, gradient_predivide_factor=4.0)
+    assert opt._hvd["alone"] and opt._hvd["buckets"] == []
+    engine = runtime.engine_for(0)
+    submitted = []
+    submit = engine.submit
+    engine.submit = lambda request, *a, **k: (submitted.append(request.name),
+                                              submit(request, *a, **k))[1]
+    x, y = data(0, 0, 1)
+    torch.nn.functional.cross_entropy(model(x.double()), y).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.synchronize()
+    for n, p in model.named_parameters():
+        # the rare layer got no gradient: zeros, as every rank would reduce
+        torch.testing.assert_close(p.grad, expected.get(n, torch.zeros_like(p)), rtol=0, atol=1e-15)
+    opt.step()
+    engine.submit = submit
+    assert submitted == []
+    return "ok"
+
+
 @pytest.mark.timeout(180)
 def test_without_fusion():
     assert run_ranks(body_cases, 2, "gloo", env={"HOROVOD_FUSION_THRESHOLD": "0"}) == ["ok"] * 2

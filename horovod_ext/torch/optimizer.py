@@ -112,9 +112,19 @@ class _DistributedMixin:
     def _hvd_set_buckets(self):
         """Plan the gradient buckets for the current bucket size (see _hvd_plan_buckets)."""
         h = self._hvd
+        h["alone"] = self._hvd_alone()
         h["bucket_cap"] = self._hvd_bucket_cap()
-        h["buckets"] = self._hvd_plan_buckets(h["bucket_cap"]) if h["member"] else []
+        h["buckets"] = (self._hvd_plan_buckets(h["bucket_cap"])
+                        if h["member"] and not h["alone"] else [])
         h["bucket_of"] = {id(p): b for b in h["buckets"] for p in b.params}
+
+    def _hvd_alone(self) -> bool:
+        """One process in the set and an elementwise op: the reduction of each gradient is the
+        gradient itself, so it is finished in synchronize() without buckets (whose copy of
+        autograd's fresh gradients is most of the cost at one process) or engine requests."""
+        h = self._hvd
+        return (h["process_set"].size() == 1 and isinstance(h["op"], ElementwiseOp)
+                and not h["delta"])
 
     @staticmethod
     def _hvd_bucket_cap() -> int:
@@ -176,6 +186,8 @@ class _DistributedMixin:
         if h["generation"] == runtime.state.generation:
             return
         h["generation"] = runtime.state.generation
+        if h["alone"] != self._hvd_alone():   # an elastic world grew from one process, or shrank to it
+            self._hvd_set_buckets()
         h["handles"].clear()
         h["counts"].clear()
         for pending in h["group_ready"].values():
@@ -190,6 +202,8 @@ class _DistributedMixin:
         if h["synchronized"] and not h["skip_sync"]:
             # a new backward after synchronize() without step(): reduce again from scratch
             h["synchronized"] = False
+        if h["alone"]:
+            return
         key = id(p)
         h["counts"][key] = h["counts"].get(key, 0) + 1
         if h["counts"][key] < h["bpps"]:
@@ -340,6 +354,9 @@ class _DistributedMixin:
         if h["delta"]:
             self._hvd_agree_on_finite()
             return
+        if h["alone"]:
+            self._hvd_finish_alone()
+            return
         started = {id(p) for _, params, *_ in h["handles"].values() for p in params}
         started |= {id(p) for pending in h["group_ready"].values() for p in pending}
         started |= {i for b in h["buckets"] for i in b.ready}
@@ -380,6 +397,25 @@ class _DistributedMixin:
                     p.grad = b.views[id(p)]
         h["handles"].clear()
         h["counts"].clear()
+        h["synchronized"] = True
+
+    def _hvd_finish_alone(self):
+        """synchronize() for one process: what a reduction over one rank leaves of each
+        gradient (compression's round trip, the scale factors), zeros where none came."""
+        h = self._hvd
+        pre, post = self._hvd_scales()
+        with torch.no_grad():
+            for p in h["params"]:
+                if p.grad is None:
+                    p.grad = self._hvd_zero_grad(p)
+                if p.grad.is_sparse:
+                    continue
+                wire, ctx = h["compression"].compress(p.grad)
+                for factor in (pre, post):
+                    if factor != 1.0:
+                        wire.mul_(factor)
+                if wire is not p.grad:
+                    p.grad.copy_(h["compression"].decompress(wire, ctx))
         h["synchronized"] = True
 
     @contextlib.contextmanager

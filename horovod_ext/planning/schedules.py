@@ -1,0 +1,344 @@
+"""What each op sends, to whom, and what it computes: communication schedules for the model.
+
+A schedule is a list of stages; a stage is a list of steps; a step is a set of transfers that
+run at the same time (a ``Pattern`` of flows, scaled to bytes) followed by local work, repeated
+``repeat`` times.  The schedules follow the implementations: Gloo's ring allreduce and
+allgather, direct all-to-all, Adasum's recursive vector halving with its per-level dot-product
+allreduce (adasum/rvh.py), 1-bit's all-to-all + all-gather (onebit/compressed_allreduce.py),
+random-k's reduced allreduce, PowerSGD's two allreduces, and the hierarchical forms: shared-memory
+reduce-scatter in the node, the op across nodes on each rank's shard (local rank l of every
+node together), shared-memory all-gather; elementwise hierarchical allreduce pipelines the three
+over chunks.  Ranks are numbered node by node (rank = node * ranks_per_node + local rank).
+
+Transfers of one step are timed by the network engine (simulate.py), the local work by the
+calibrated costs of a profile (profile.py).  Nothing here knows about SimGrid.
+"""
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+from .cluster import Cluster
+from .profile import Profile
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Flows (source rank, destination rank, weight) that run at once; a step sends ``weight *
+    bytes`` on each.  Patterns are what the network engine times, once each."""
+    name: str
+    flows: Tuple[Tuple[int, int, float], ...]
+
+
+@dataclass
+class Step:
+    name: str
+    pattern: Pattern = None        # None: local work only
+    bytes: float = 0.0             # bytes per unit of weight
+    compute_s: float = 0.0         # local work after the transfers (the busiest rank's)
+    messages: int = 0              # messages each rank sends and receives in the step
+    repeat: int = 1
+
+
+@dataclass
+class Schedule:
+    """Stages run one after the other, except that ``chunks`` > 1 pipelines them: chunk i's
+    stage s runs while chunk i+1 is in stage s-1 (the steps are then per chunk)."""
+    op: str
+    stages: List[List[Step]]
+    chunks: int = 1
+    sent_per_rank: float = 0.0     # bytes each rank puts on the wire, for the report
+    notes: List[str] = field(default_factory=list)
+
+
+# --- flow patterns ---------------------------------------------------------------------------
+
+def ring_pattern(rings: Sequence[Sequence[int]]) -> Pattern:
+    """Every member of each ring sends to the next, all rings at once."""
+    flows = tuple((r[i], r[(i + 1) % len(r)], 1.0) for r in rings if len(r) > 1
+                  for i in range(len(r)))
+    return Pattern("ring:" + _shape(rings), flows)
+
+
+def pair_pattern(rings: Sequence[Sequence[int]], distance: int,
+                 cluster: Cluster = None) -> Pattern:
+    """Members ``distance`` apart (in each list's order, paired by XOR) swap, both ways.
+
+    With ``cluster`` (and power-of-two ranks per node and nodes per rack), a distance is
+    replaced by the smallest one that pairs ranks the same way (inside a node, between nodes
+    of a rack, between racks): those patterns load the same links alike, so they take the same
+    time and the engine times one of them."""
+    if cluster is not None:
+        distance = _same_load_distance(rings, distance, cluster)
+    flows = []
+    for members in rings:
+        for i, r in enumerate(members):
+            j = i ^ distance
+            if j < len(members):
+                flows.append((r, members[j], 1.0))
+    return Pattern(f"pairs{distance}:" + _shape(rings), tuple(flows))
+
+
+def _same_load_distance(rings: Sequence[Sequence[int]], distance: int, cluster: Cluster) -> int:
+    def power_of_two(x):
+        return x > 0 and x & (x - 1) == 0
+    per_node = cluster.ranks_per_node
+    rack = cluster.nodes_per_rack or cluster.nodes
+    if not (power_of_two(per_node) and power_of_two(rack)):
+        return distance
+    members = rings[0]
+    if len(members) < 2:
+        return distance
+    # members per node and per rack, in list positions (the lists hold ranks in node order)
+    step_nodes = (members[1] // per_node) - (members[0] // per_node)
+    in_node = per_node if step_nodes == 0 else 1
+    in_rack = in_node * rack
+    if not (power_of_two(in_node) and power_of_two(in_rack)):
+        return distance
+    if distance < in_node:
+        return 1
+    if distance < in_rack:
+        return in_node
+    return in_rack
+
+
+def alltoall_pattern(cluster: Cluster, groups: Sequence[Sequence[int]]) -> Pattern:
+    """Direct all-to-all inside each group, folded into at most three flows per rank: what it
+    sends to the other members on its node, on the other nodes of its rack and in other racks
+    (weights: number of pieces), each to one peer of that kind.  NIC and uplink loads are those
+    of the full exchange, while the engine times O(ranks) flows instead of O(ranks^2)."""
+    per_node = cluster.ranks_per_node
+    rack = cluster.nodes_per_rack or cluster.nodes
+    flows = []
+    for members in groups:
+        if len(members) < 2:
+            continue
+        on_node: Dict[int, List[int]] = {}
+        for r in members:
+            on_node.setdefault(r // per_node, []).append(r)
+        for node, here in on_node.items():
+            first = node - node % rack
+            rack_nodes = [m for m in range(first, min(first + rack, cluster.nodes)) if m in on_node]
+            in_rack = sum(len(on_node[m]) for m in rack_nodes)
+            later = rack_nodes[(rack_nodes.index(node) + 1) % len(rack_nodes)]
+            far_node = (first + rack + node % rack) % cluster.nodes
+            if far_node not in on_node:
+                far_node = next(m for m in sorted(on_node) if m // rack != node // rack) \
+                    if len(members) > in_rack else None
+            for k, r in enumerate(here):
+                if len(here) > 1:
+                    flows.append((r, here[(k + 1) % len(here)], float(len(here) - 1)))
+                if in_rack > len(here):
+                    there = on_node[later]
+                    flows.append((r, there[k % len(there)], float(in_rack - len(here))))
+                if far_node is not None:
+                    there = on_node[far_node]
+                    flows.append((r, there[k % len(there)], float(len(members) - in_rack)))
+    return Pattern("alltoall:" + _shape(groups), tuple(flows))
+
+
+def _shape(groups: Sequence[Sequence[int]]) -> str:
+    return f"{len(groups)}x{max(len(g) for g in groups)}"
+
+
+# --- collectives -------------------------------------------------------------------------------
+
+def ring_allreduce(groups: Sequence[Sequence[int]], nbytes: float, profile: Profile,
+                   name: str = "allreduce") -> List[Step]:
+    """Gloo's ring: n - 1 reduce-scatter steps (each adds the chunk it received) and n - 1
+    all-gather steps, a chunk of nbytes / n each, every group at once."""
+    n = max(len(g) for g in groups)
+    if n < 2:
+        return []
+    chunk = nbytes / n
+    pattern = ring_pattern(groups)
+    return [Step(f"{name} reduce-scatter", pattern, chunk, profile.cost("reduce", chunk), 1, n - 1),
+            Step(f"{name} all-gather", pattern, chunk, 0.0, 1, n - 1)]
+
+
+def ring_allgather(groups: Sequence[Sequence[int]], piece: float, name: str) -> List[Step]:
+    n = max(len(g) for g in groups)
+    if n < 2:
+        return []
+    return [Step(name, ring_pattern(groups), piece, 0.0, 1, n - 1)]
+
+
+def world(cluster: Cluster) -> List[List[int]]:
+    return [list(range(cluster.ranks))]
+
+
+def cross_groups(cluster: Cluster) -> List[List[int]]:
+    """Local rank l of every node, for each l: the cross-node communicators."""
+    r = cluster.ranks_per_node
+    return [[node * r + local for node in range(cluster.nodes)] for local in range(r)]
+
+
+def hierarchy_applies(cluster: Cluster) -> bool:
+    return cluster.nodes > 1 and cluster.ranks_per_node > 1
+
+
+def in_node_reduce_scatter(cluster: Cluster, nbytes: float, profile: Profile) -> Step:
+    """Shared memory: each local rank sums its 1/R slice of the R buffers (reads nbytes)."""
+    return Step("node reduce-scatter (shared memory)",
+                compute_s=profile.cost("shm_reduce", nbytes))
+
+
+def in_node_allgather(cluster: Cluster, nbytes: float, profile: Profile) -> Step:
+    r = cluster.ranks_per_node
+    return Step("node all-gather (shared memory)",
+                compute_s=profile.cost("copy", nbytes * (r - 1) / r))
+
+
+def pipeline_chunks(nbytes: float) -> int:
+    """As Collectives._chunk_elements: an eighth of the buffer, between 1 and 16 MiB."""
+    chunk = min(max(nbytes // 8, 1 << 20), 16 << 20)
+    return max(1, math.ceil(nbytes / chunk))
+
+
+# --- ops -----------------------------------------------------------------------------------------
+
+def average(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool) -> Schedule:
+    p = cluster.ranks
+    if hierarchical and hierarchy_applies(cluster):
+        chunks = pipeline_chunks(nbytes)
+        piece = nbytes / chunks
+        r = cluster.ranks_per_node
+        stages = [[in_node_reduce_scatter(cluster, piece, profile)],
+                  ring_allreduce(cross_groups(cluster), piece / r, profile, "cross allreduce"),
+                  [in_node_allgather(cluster, piece, profile)]]
+        n = cluster.nodes
+        return Schedule("average", stages, chunks, 2 * (n - 1) / n * nbytes / r)
+    return Schedule("average", [ring_allreduce(world(cluster), nbytes, profile)], 1,
+                    2 * (p - 1) / p * nbytes if p > 1 else 0.0)
+
+
+def adasum(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
+           layers: int) -> Schedule:
+    """Recursive vector halving over the largest power of two p (others folded in first), one
+    allreduce of the level's dot-product table over the whole communicator per level, then the
+    halves gathered back in reverse (adasum/rvh.py).  Hierarchical: node average in shared
+    memory, the tree across nodes on each local rank's shard (dot products also summed over the
+    node), node all-gather."""
+    hier = hierarchical and hierarchy_applies(cluster)
+    groups = cross_groups(cluster) if hier else world(cluster)
+    shard = nbytes / cluster.ranks_per_node if hier else nbytes
+    n = len(groups[0])
+    p = 1 << (n.bit_length() - 1)
+    steps: List[Step] = []
+    if hier:
+        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
+    sent = 0.0
+    if n - p:
+        fold = Pattern("fold", tuple((g[i + p], g[i], 1.0) for g in groups for i in range(n - p)))
+        steps.append(Step("fold exchange", fold, shard, profile.cost("adasum", shard), 1))
+    piece = shard
+    level, table = 0, 3 * 8 * layers
+    while (1 << level) < p:
+        d = 1 << level
+        piece /= 2
+        pairs = pair_pattern([g[:p] for g in groups], d, cluster)
+        steps.append(Step(f"level {level + 1} exchange", pairs, piece,
+                          profile.cost("adasum", piece), 1))
+        groups_of_table = p // (2 * d)
+        steps.extend(ring_allreduce(groups, table * groups_of_table, profile,
+                                    f"level {level + 1} dot products"))
+        if hier:
+            steps.append(Step("dot products over the node",
+                              compute_s=profile.cost("message", 1) * 2))
+        sent += piece
+        level += 1
+    for lv in reversed(range(level)):
+        d = 1 << lv
+        steps.append(Step(f"level {lv + 1} gather back",
+                          pair_pattern([g[:p] for g in groups], d, cluster),
+                          shard / (2 * d), 0.0, 1))
+    sent *= 2
+    if n - p:
+        fold_back = Pattern("unfold", tuple((g[i], g[i + p], 1.0) for g in groups
+                                            for i in range(n - p)))
+        steps.append(Step("fold result", fold_back, shard, 0.0, 1))
+    if hier:
+        steps.append(in_node_allgather(cluster, nbytes, profile))
+    return Schedule("adasum", [steps], 1, sent)
+
+
+def onebit(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
+           layers: int) -> Schedule:
+    """The compressed stage (after the warm-up): compress with the worker error, all-to-all of
+    1-bit chunks, all-gather of the scales, server average and recompress, all-gather of the
+    server chunks and their scales, decompress (onebit/compressed_allreduce.py)."""
+    hier = hierarchical and hierarchy_applies(cluster)
+    groups = cross_groups(cluster) if hier else world(cluster)
+    shard = nbytes / cluster.ranks_per_node if hier else nbytes
+    n = len(groups[0])
+    steps: List[Step] = []
+    if hier:
+        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
+    packed = shard / F32 / 8                      # one bit per element
+    piece = packed / n
+    scales = 4 * layers
+    steps.append(Step("compress", compute_s=profile.cost("onebit_compress", shard)))
+    if n > 1:
+        steps.append(Step("all-to-all of signs", alltoall_pattern(cluster, groups), piece, 0.0,
+                          n - 1))
+        steps.extend(ring_allgather(groups, scales, "all-gather of scales"))
+        steps.append(Step("server average", compute_s=profile.cost("onebit_decompress", shard)
+                          + profile.cost("onebit_compress", shard / n)))
+        steps.extend(ring_allgather(groups, piece, "all-gather of server chunks"))
+        steps.extend(ring_allgather(groups, scales / n + 4, "all-gather of server scales"))
+    steps.append(Step("decompress", compute_s=profile.cost("onebit_decompress", shard)))
+    if hier:
+        steps.append(in_node_allgather(cluster, nbytes, profile))
+    sent = 2 * (n - 1) * piece if n > 1 else 0.0
+    return Schedule("onebit", [steps], 1, sent)
+
+
+def randomk(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
+            ratio: float) -> Schedule:
+    """A fraction ``ratio`` of the elements, chosen by a mask every rank draws alike, gathered
+    into one buffer, averaged with one allreduce and scattered back (flat), or across nodes on
+    each rank's shard after a full node average (hierarchical)."""
+    hier = hierarchical and hierarchy_applies(cluster)
+    groups = cross_groups(cluster) if hier else world(cluster)
+    shard = nbytes / cluster.ranks_per_node if hier else nbytes
+    selected = shard * ratio
+    steps: List[Step] = []
+    if hier:
+        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
+    steps.append(Step("gather selected", compute_s=profile.cost("randomk_gather", selected)))
+    steps.extend(ring_allreduce(groups, selected, profile))
+    steps.append(Step("scatter back", compute_s=profile.cost("randomk_scatter", selected)))
+    if hier:
+        steps.append(in_node_allgather(cluster, nbytes, profile))
+    n = len(groups[0])
+    return Schedule("randomk", [steps], 1, 2 * (n - 1) / n * selected if n > 1 else 0.0)
+
+
+def powersgd(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
+             rank: int, hidden: int) -> Schedule:
+    """Rank-``rank`` PowerSGD with its matrices taken as ``hidden`` x ``hidden`` blocks: an
+    allreduce of the P factors, orthogonalisation, an allreduce of the Q factors, and the
+    products P Q^T (three matrix products of hidden^2 x rank per block)."""
+    blocks = max(1.0, nbytes / F32 / (hidden * hidden))
+    factor_bytes = blocks * hidden * rank * F32
+    flops = blocks * 3 * 2 * hidden * hidden * rank
+    hier = hierarchical and hierarchy_applies(cluster)
+    groups = world(cluster)
+    steps: List[Step] = []
+    if hier:
+        # a node average first, then each local rank takes its share of the layers across
+        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
+        groups = cross_groups(cluster)
+        factor_bytes /= cluster.ranks_per_node
+        flops /= cluster.ranks_per_node
+    steps.append(Step("P = M Q", compute_s=profile.flops(flops / 3)))
+    steps.extend(ring_allreduce(groups, factor_bytes, profile, "allreduce of P"))
+    steps.append(Step("orthogonalise P, Q = M^T P", compute_s=profile.flops(flops / 3)
+                      + profile.cost("copy", factor_bytes)))
+    steps.extend(ring_allreduce(groups, factor_bytes, profile, "allreduce of Q"))
+    steps.append(Step("M = P Q^T", compute_s=profile.flops(flops / 3)))
+    if hier:
+        steps.append(in_node_allgather(cluster, nbytes, profile))
+    n = len(groups[0])
+    return Schedule("powersgd", [steps], 1, 2 * 2 * (n - 1) / n * factor_bytes if n > 1 else 0.0)

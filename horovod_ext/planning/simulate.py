@@ -1,0 +1,178 @@
+"""Transfer times on a cluster from SimGrid's flow-level network model.
+
+The network model is SimGrid's (CM02: links shared max-min among the flows crossing them);
+what runs on it is ours (schedules.py).  The platform: one SimGrid host per
+rank; a node's ranks reach each other through their loopback links and the world through the
+node's full-duplex NIC; NICs meet at a switch, or at a rack switch whose uplink may be
+oversubscribed.  Each transfer pattern of a schedule is simulated once, on its own, at 1 MiB
+per unit of weight, with links of no latency: under this model the sharing of bandwidth makes
+its time proportional to its size, so any size is read off from that one run, and the
+pattern's longest route latency (known from the cluster) is added to it.
+
+SimGrid keeps one platform per process, so each cluster is simulated in a forked child.  Its
+Python module comes from Debian's ``python3-simgrid`` (PyPI has only the sources, which need
+cmake and Boost to build); a virtual environment of the same Python finds it there.
+"""
+import glob
+import importlib.util
+import multiprocessing
+import os
+import sys
+from typing import Dict, Iterable, Tuple
+
+from .cluster import Cluster
+from .profile import Profile
+from .schedules import Pattern
+
+SIZE = 1 << 20                  # bytes per unit of weight in the run of a pattern
+SYSTEM_FOLDERS = ("/usr/lib/python3/dist-packages",)
+
+
+class EngineMissing(RuntimeError):
+    """SimGrid's Python module cannot be loaded."""
+
+
+def load_simgrid():
+    """The ``simgrid`` module: importable as is, or the system's build of it for this Python."""
+    try:
+        import simgrid
+        return simgrid
+    except ImportError:
+        pass
+    tag = f"cpython-{sys.version_info.major}{sys.version_info.minor}"
+    found = [path for folder in SYSTEM_FOLDERS
+             for path in glob.glob(os.path.join(folder, "simgrid*.so"))]
+    for path in found:
+        if tag not in os.path.basename(path):
+            continue
+        spec = importlib.util.spec_from_file_location("simgrid", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except ImportError as e:
+            raise EngineMissing(f"SimGrid's module at {path} does not load: {e}") from None
+        sys.modules["simgrid"] = module
+        return module
+    hint = (f" (found {', '.join(found)}, built for another Python than "
+            f"{sys.version_info.major}.{sys.version_info.minor})" if found else "")
+    raise EngineMissing("the scale model runs on SimGrid's Python module: apt-get install "
+                        "python3-simgrid (Debian and Ubuntu; this environment then finds "
+                        f"it){hint}")
+
+
+class _Platform:
+    def __init__(self, sg, cluster: Cluster, profile: Profile):
+        self.sg = sg
+        up = sg.LinkInRoute.Direction.UP
+        loop_bw = cluster.loopback_Bps or profile.loopback_Bps
+        nic_bw = cluster.link_Bps * profile.efficiency
+        root = sg.NetZone.create_star_zone("cluster")
+        racked = cluster.nodes_per_rack and cluster.nodes > cluster.nodes_per_rack
+        parents = {}
+        if racked:
+            uplink_bw = cluster.nodes_per_rack * nic_bw / cluster.oversubscription
+            for rack in range(-(-cluster.nodes // cluster.nodes_per_rack)):
+                zone = sg.NetZone.create_star_zone(f"rack{rack}")
+                zone.set_parent(root)
+                parents[rack] = (zone, zone.create_router(f"rack{rack}-switch"))
+        self.hosts = []
+        for node in range(cluster.nodes):
+            rack = node // cluster.nodes_per_rack if racked else None
+            parent = parents[rack][0] if racked else root
+            zone = sg.NetZone.create_star_zone(f"node{node}")
+            zone.set_parent(parent)
+            gateway = zone.create_router(f"node{node}-nic")
+            for local in range(cluster.ranks_per_node):
+                host = zone.create_host(f"rank{len(self.hosts)}", 1e9).seal()
+                link = zone.create_split_duplex_link(f"rank{len(self.hosts)}-lo", loop_bw)
+                link.set_latency(0).seal()
+                zone.add_route(host.netpoint, None, None, None, [sg.LinkInRoute(link, up)], True)
+                self.hosts.append(host)
+            zone.seal()
+            nic = parent.create_split_duplex_link(f"node{node}-nic", nic_bw)
+            nic.set_latency(0).seal()
+            parent.add_route(zone.netpoint, None, gateway, None, [sg.LinkInRoute(nic, up)], True)
+        for rack, (zone, switch) in parents.items():
+            zone.seal()
+            uplink = root.create_split_duplex_link(f"rack{rack}-uplink", uplink_bw)
+            uplink.set_latency(0).seal()
+            root.add_route(zone.netpoint, None, switch, None, [sg.LinkInRoute(uplink, up)], True)
+        root.seal()
+
+
+def route_latency(cluster: Cluster, profile: Profile, pattern: Pattern) -> float:
+    """The longest one-way latency of the pattern's routes: between nodes the cluster's, inside
+    a node the loopback's."""
+    per_node = cluster.ranks_per_node
+    if any(s // per_node != d // per_node for s, d, _ in pattern.flows):
+        return cluster.latency_s
+    if any(s != d for s, d, _ in pattern.flows):
+        return (cluster.loopback_latency_s if cluster.loopback_latency_s is not None
+                else profile.loopback_latency_s)
+    return 0.0
+
+
+def _simulate(cluster: Cluster, profile: Profile, patterns) -> Dict[Pattern, Tuple[float, float]]:
+    sg = load_simgrid()
+    engine = sg.Engine(["horovod_ext-plan", "--cfg=network/model:CM02",
+                        "--cfg=network/crosstraffic:0", "--log=root.thresh:critical",
+                        "--log=xbt_cfg.thresh:critical"])
+    platform = _Platform(sg, cluster, profile)
+    hosts = platform.hosts
+    result, failure = {}, []
+
+    def driver():
+        try:
+            for pattern in patterns:
+                latency = route_latency(cluster, profile, pattern)
+                start = engine.clock
+                comms = [sg.Comm.sendto_async(hosts[s], hosts[d], max(1, int(w * SIZE)))
+                         for s, d, w in pattern.flows if s != d and w > 0]
+                if comms:
+                    sg.Comm.wait_all(comms)
+                result[pattern] = (latency, (engine.clock - start) / SIZE)
+        except BaseException as e:  # noqa: B902 - an exception in an actor aborts SimGrid
+            failure.append(repr(e))
+    sg.Actor.create("schedule", hosts[0], driver)
+    engine.run()
+    if failure:
+        raise RuntimeError(f"simulation failed: {failure[0]}")
+    return result
+
+
+def _child(conn, cluster, profile, patterns):
+    try:
+        conn.send(("ok", _simulate(cluster, profile, patterns)))
+    except BaseException as e:  # noqa: B902 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    finally:
+        conn.close()
+
+
+def pattern_times(cluster: Cluster, profile: Profile, patterns: Iterable[Pattern],
+                  timeout: float = 600) -> Dict[Pattern, Tuple[float, float]]:
+    """(latency, seconds per byte of weight) of each pattern on ``cluster``: the time of the
+    pattern at ``b`` bytes per unit of weight is ``latency + b * per_byte``."""
+    patterns = list(dict.fromkeys(p for p in patterns if p is not None))
+    if not patterns:
+        return {}
+    load_simgrid()      # a missing engine is reported here, not in the child
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, cluster, profile, patterns), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise TimeoutError(f"simulating {cluster.describe()} took over {timeout:.0f} s")
+        status, value = parent.recv()
+    except EOFError:
+        raise RuntimeError(f"the simulation of {cluster.describe()} died (exit code "
+                           f"{proc.exitcode})") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    if status != "ok":
+        raise RuntimeError(f"simulating {cluster.describe()}: {value}")
+    return value
