@@ -7,7 +7,11 @@ each parameter's async reduction as soon as its gradient is ready (after
 ``step()`` waits for them.  ``synchronize()`` + ``with opt.skip_synchronize():`` let users clip
 or unscale gradients in between, for every op.  Sparse gradients (nn.Embedding(sparse=True)) are
 gathered from every rank as Horovod does (sparse.py), or with ``sparse_as_dense`` reduced dense
-and handed back sparse; their parameters leave the gradient buckets at the first one.
+and handed back sparse; their parameters leave the gradient buckets at the first one.  With one
+process and an elementwise op the reduction of a gradient is the gradient itself:
+synchronize() then only applies compression's round trip and the scale factors, with no
+buckets or engine requests (an elastic job that shrinks to one worker, or grows from it,
+switches at its next re-initialisation).
 
 Delta mode, for ops that must run after the local optimizer step (Adasum with a stateful
 optimizer, paper section 4.1 and Figure 3): the wrapped optimizer steps locally, the change of
