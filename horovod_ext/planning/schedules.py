@@ -243,9 +243,9 @@ def adasum(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool
         groups_of_table = p // (2 * d)
         steps.extend(ring_allreduce(groups, table * groups_of_table, profile,
                                     f"level {level + 1} dot products"))
-        if hier:
-            steps.append(Step("dot products over the node",
-                              compute_s=profile.cost("message", 1) * 2))
+        if hier:   # the node's ranks hold the other shards: a small allreduce among them
+            steps.append(Step("dot products over the node", compute_s=profile.cost(
+                "message", 2 * (cluster.ranks_per_node - 1))))
         sent += piece
         level += 1
     for lv in reversed(range(level)):
