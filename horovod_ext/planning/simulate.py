@@ -141,6 +141,9 @@ def _simulate(cluster: Cluster, profile: Profile, patterns) -> Dict[Pattern, Tup
 
 
 def _child(conn, cluster, profile, patterns):
+    # SimGrid prints its configuration on stderr; the outcome goes through the pipe
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
     try:
         conn.send(("ok", _simulate(cluster, profile, patterns)))
     except BaseException as e:  # noqa: B902 - reported to the parent
