@@ -11,12 +11,12 @@ from horovod_ext import planning
 from horovod_ext.planning import Cluster, Profile, reduction_times
 from horovod_ext.planning import schedules as S
 from horovod_ext.planning.profile import PER_BYTE, PER_CALL
-from horovod_ext.planning.simulate import EngineMissing, load_simgrid
+from horovod_ext.planning.simulate import EngineMissing, locate_simgrid
 
 pytestmark = pytest.mark.timeout(120)
 
 try:
-    load_simgrid()
+    locate_simgrid()
     MISSING = None
 except EngineMissing as e:
     MISSING = str(e)
@@ -200,7 +200,7 @@ def test_missing_engine_says_how_to_get_it(tmp_path):
     code = ("import sys; sys.modules['simgrid'] = None\n"
             "from horovod_ext.planning import simulate\n"
             "simulate.SYSTEM_FOLDERS = ()\n"
-            "try:\n    simulate.load_simgrid()\n"
+            "try:\n    simulate.locate_simgrid()\n"
             "except simulate.EngineMissing as e:\n    print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, cwd=REPO)

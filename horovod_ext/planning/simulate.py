@@ -32,32 +32,40 @@ class EngineMissing(RuntimeError):
     """SimGrid's Python module cannot be loaded."""
 
 
-def load_simgrid():
-    """The ``simgrid`` module: importable as is, or the system's build of it for this Python."""
+def locate_simgrid():
+    """The import spec of SimGrid's Python module: importable as is, or the system's build of it
+    for this Python; EngineMissing, saying how to get it, otherwise."""
     try:
-        import simgrid
-        return simgrid
-    except ImportError:
-        pass
+        spec = importlib.util.find_spec("simgrid")
+    except ValueError:          # sys.modules["simgrid"] is None: taken as absent
+        spec = None
+    if spec is not None:
+        return spec
     tag = f"cpython-{sys.version_info.major}{sys.version_info.minor}"
     found = [path for folder in SYSTEM_FOLDERS
              for path in glob.glob(os.path.join(folder, "simgrid*.so"))]
     for path in found:
-        if tag not in os.path.basename(path):
-            continue
-        spec = importlib.util.spec_from_file_location("simgrid", path)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except ImportError as e:
-            raise EngineMissing(f"SimGrid's module at {path} does not load: {e}") from None
-        sys.modules["simgrid"] = module
-        return module
+        if tag in os.path.basename(path):
+            return importlib.util.spec_from_file_location("simgrid", path)
     hint = (f" (found {', '.join(found)}, built for another Python than "
             f"{sys.version_info.major}.{sys.version_info.minor})" if found else "")
     raise EngineMissing("the scale model runs on SimGrid's Python module: apt-get install "
                         "python3-simgrid (Debian and Ubuntu; this environment then finds "
                         f"it){hint}")
+
+
+def load_simgrid():
+    """The ``simgrid`` module (importing it prints SimGrid's configuration on stderr)."""
+    if sys.modules.get("simgrid") is not None:
+        return sys.modules["simgrid"]
+    spec = locate_simgrid()
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as e:
+        raise EngineMissing(f"SimGrid's module at {spec.origin} does not load: {e}") from None
+    sys.modules["simgrid"] = module
+    return module
 
 
 class _Platform:
@@ -159,7 +167,7 @@ def pattern_times(cluster: Cluster, profile: Profile, patterns: Iterable[Pattern
     patterns = list(dict.fromkeys(p for p in patterns if p is not None))
     if not patterns:
         return {}
-    load_simgrid()      # a missing engine is reported here, not in the child
+    locate_simgrid()    # a missing engine is reported here, not in the child
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, cluster, profile, patterns), daemon=True)
