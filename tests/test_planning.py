@@ -144,6 +144,7 @@ def test_plan_recommends_the_exact_average_when_compute_dominates():
     result = planning.predict.plan(Cluster(4, 1, 100e9 / 8, 5e-6), 4 * 1e6, 2.0,
                                    profile=profile())
     assert result.recommendation.startswith("hvd.Average")
+    assert "hides behind backward" in result.recommendation
     table = result.table()
     for op in planning.OPS.values():
         assert op[0] in table

@@ -15,7 +15,8 @@ import torch
 MiB = 1 << 20
 
 
-def seconds_per_call(fn: Callable[[], object], repeats: int = 7, min_block_s: float = 0.05) -> float:
+def seconds_per_call(fn: Callable[[], object], repeats: int = 7,
+                     min_block_s: float = 0.05) -> float:
     """Median over ``repeats`` blocks of the time of one call of ``fn`` (a block runs it as
     often as it takes to last ``min_block_s``)."""
     fn()
@@ -62,7 +63,8 @@ def local_costs(nbytes: int = 32 * MiB, layers: int = 64) -> Dict[str, float]:
             (4 * size * layers)
         target = torch.empty_like(x)
         out["onebit_decompress"] = seconds_per_call(
-            lambda: decompress(packed, scales, lengths, torch.float32, target)) / (4 * size * layers)
+            lambda: decompress(packed, scales, lengths, torch.float32, target)) \
+            / (4 * size * layers)
 
         k = n // 10
         index = torch.randperm(n, generator=g)[:k].sort().values

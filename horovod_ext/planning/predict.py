@@ -208,7 +208,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def recommend(rows: Sequence[StepPrediction]) -> str:
+def recommend(rows: Sequence[StepPrediction], compute_s: float) -> str:
     """The exact average unless another op is clearly faster (10%): the others change what
     the optimizer sees and need their own tuning."""
     exact = min((r for r in rows if OPS[r.op][1]), key=lambda r: r.step_s)
@@ -216,7 +216,7 @@ def recommend(rows: Sequence[StepPrediction]) -> str:
     form = lambda r: "hierarchical" if r.hierarchical else "flat"  # noqa: E731
     if best.step_s >= 0.9 * exact.step_s:
         why = ("communication hides behind backward or costs little here"
-               if exact.step_s < 1.1 * max(r.step_s - r.comm_s for r in rows) else
+               if exact.step_s < 1.1 * compute_s else
                f"no other op is 10% faster ({OPS[best.op][0]} {form(best)}: "
                f"{best.step_s * 1e3:.1f} ms)")
         return f"{OPS[exact.op][0]} ({form(exact)}), {exact.step_s * 1e3:.1f} ms per step: {why}"
@@ -233,4 +233,4 @@ def plan(cluster: Cluster, model_bytes: float, compute_s: float,
          options: Optional[Options] = None) -> Plan:
     profile = profile or load()
     rows = training_step(cluster, model_bytes, compute_s, ops, profile, options)
-    return Plan(cluster, model_bytes, compute_s, rows, recommend(rows), profile.meta)
+    return Plan(cluster, model_bytes, compute_s, rows, recommend(rows, compute_s), profile.meta)

@@ -190,7 +190,7 @@ class _DistributedMixin:
         if h["generation"] == runtime.state.generation:
             return
         h["generation"] = runtime.state.generation
-        if h["alone"] != self._hvd_alone():   # an elastic world grew from one process, or shrank to it
+        if h["alone"] != self._hvd_alone():   # an elastic world grew from one rank or shrank to it
             self._hvd_set_buckets()
         h["handles"].clear()
         h["counts"].clear()
