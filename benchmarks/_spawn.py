@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -217,6 +218,13 @@ def per_call(fn, calls, barrier, gap_s=0.0):
     return (clock() - t0) / calls - gap_s
 
 
+def median_per_call(fn, calls: int, blocks: int, barrier):
+    """Median over ``blocks`` samples of one function's seconds per call (``per_call``), and
+    the samples."""
+    samples = [per_call(fn, calls, barrier) for _ in range(blocks)]
+    return statistics.median(samples), samples
+
+
 def interleaved_blocks(methods, calls: int, blocks: int, barrier):
     """Seconds per call of each method (name -> function), ``blocks`` samples each: a sample
     is ``calls`` back-to-back calls started together on every rank (``per_call``), and the
@@ -272,18 +280,23 @@ def human(n) -> str:
     return f"{n:g} TiB"
 
 
+def provenance() -> Dict[str, str]:
+    """The commit (with "+changes" when tracked files differ from it) and today's date."""
+    import datetime
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=REPO, capture_output=True, text=True).stdout.strip()
+    return {"commit": commit + ("+changes" if dirty else ""),
+            "date": datetime.date.today().isoformat()}
+
+
 def write_report(path: str, report) -> None:
     """Write a benchmark's JSON report, with the commit and date it was made on, and say
     where."""
-    import datetime
     import json
     if isinstance(report, dict) and "commit" not in report:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=REPO, capture_output=True, text=True).stdout.strip()
-        report = {"commit": commit + ("+changes" if dirty else ""),
-                  "date": datetime.date.today().isoformat(), **report}
+        report = {**provenance(), **report}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
@@ -293,8 +306,6 @@ def write_report(path: str, report) -> None:
 def time_model_syncs(hvd, opt, count: int) -> Dict[str, float]:
     """SLAMB's model sync (``opt.average_parameters()``) ``count`` times in a row, inside a
     worker: its median time in seconds and the bytes it sends per sync."""
-    import statistics
-    import time
     syncs, before = [], opt.bytes_sent
     for _ in range(count):
         hvd.barrier()

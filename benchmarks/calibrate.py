@@ -30,8 +30,8 @@ LINK_SIZES = [256 << 10, 1 * MiB, 4 * MiB, 16 * MiB]
 RATES = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8}
 
 
-def timed_blocks(fn, calls, blocks, barrier):
-    return statistics.median(_spawn.interleaved_blocks({"x": fn}, calls, blocks, barrier)["x"])
+def timed(fn, calls, blocks, barrier) -> float:
+    return _spawn.median_per_call(fn, calls, blocks, barrier)[0]
 
 
 def worker(args):
@@ -43,29 +43,21 @@ def worker(args):
     if args.mode == "loopback":
         small, big = torch.zeros(1), torch.zeros(16 * MiB // 4)
         shm = torch.zeros(64 * MiB // 4)
-        out["raw_small_s"] = timed_blocks(lambda: dist.all_reduce(small), 200, 7, dist.barrier)
-        out["raw_16MiB_s"] = timed_blocks(lambda: dist.all_reduce(big), 4, 7, dist.barrier)
-        out["hvd_small_s"] = timed_blocks(lambda: hvd.allreduce_(small, op=hvd.Sum, name="s"),
+        out["raw_small_s"] = timed(lambda: dist.all_reduce(small), 200, 7, dist.barrier)
+        out["raw_16MiB_s"] = timed(lambda: dist.all_reduce(big), 4, 7, dist.barrier)
+        out["hvd_small_s"] = timed(lambda: hvd.allreduce_(small, op=hvd.Sum, name="s"),
                                           200, 7, dist.barrier)
-        out["hvd_shm_64MiB_s"] = timed_blocks(
+        out["hvd_shm_64MiB_s"] = timed(
             lambda: hvd.allreduce_(shm, op=hvd.Sum, name="shm"), 3, 7, dist.barrier)
     else:
         for size in LINK_SIZES:
             buf = torch.zeros(size // 4)
             calls = max(2, min(50, (4 * MiB) // size))
-            out[str(size)] = timed_blocks(lambda: dist.all_reduce(buf), calls, 5, dist.barrier)
+            out[str(size)] = timed(lambda: dist.all_reduce(buf), calls, 5, dist.barrier)
     if hvd.rank() == 0:
         with open(args.result, "w") as f:
             json.dump(out, f)
     hvd.shutdown()
-
-
-def fit(points):
-    """Least-squares (intercept, slope) of t = a + b * x."""
-    xs, ys = zip(*points)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    return my - slope * mx, slope
 
 
 def main():
@@ -102,23 +94,19 @@ def main():
                 got = _spawn.run_collect("gloo", [here, "--worker", "--mode", "link"], 2,
                                          hosts=hosts)
             points = [(int(size), t) for size, t in got.items()]
-            intercept, slope = fit(points)
+            slope, intercept = statistics.linear_regression(*zip(*points))
             effective = 1.0 / max(1e-15, slope - per_byte["reduce"] / 2)
             latency = max(0.0, intercept / 2 - message)
             links[rate] = {"nominal_Bps": nominal, "effective_Bps": effective,
                            "efficiency": effective / nominal, "latency_s": latency,
                            "points": {str(s): t for s, t in points}}
             efficiencies.append(effective / nominal)
-    import datetime
-    import subprocess
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_spawn.REPO,
-                            capture_output=True, text=True).stdout.strip()
     profile = Profile(
         per_byte=per_byte,
         per_call={"message": message, "call": call, "control_per_rank": control},
         flops_per_s=flops, loopback_Bps=loopback_Bps, loopback_latency_s=0.0,
         efficiency=statistics.median(efficiencies) if efficiencies else 0.95, links=links,
-        meta={"commit": commit, "date": datetime.date.today().isoformat(),
+        meta={**_spawn.provenance(),
               "machine": f"{platform.processor() or platform.machine()}, "
                          f"{os.cpu_count()} cores, {platform.system()}",
               "loopback": loop,

@@ -17,6 +17,7 @@ import torch
 from .backends import shm, trace
 from .backends.base import Communicator, ReduceOp, split_sizes
 from .backends.topology import Topology
+from .partition import pipeline_chunk_bytes
 
 # cross_step(shard, shard_offset, topology) -> reduced shard (may be the same tensor)
 CrossStep = Callable[[torch.Tensor, int, Topology], torch.Tensor]
@@ -60,10 +61,8 @@ class Collectives:
                     and self._single_node(buffer.numel() * buffer.element_size()))
 
     def _chunk_elements(self, buffer: torch.Tensor) -> int:
-        """Pipeline chunks: HOROVOD_HIERARCHICAL_CHUNK_BYTES, or an eighth of the buffer
-        between 1 and 16 MiB (smaller chunks overlap more, each costs a few synchronisations)."""
-        nbytes = buffer.numel() * buffer.element_size()
-        chunk = self._chunk_bytes or min(max(nbytes // 8, 1 << 20), 16 << 20)
+        """Elements per pipeline chunk (partition.pipeline_chunk_bytes)."""
+        chunk = pipeline_chunk_bytes(buffer.numel() * buffer.element_size(), self._chunk_bytes)
         return max(1, chunk // buffer.element_size())
 
     @property

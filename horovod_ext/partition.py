@@ -1,5 +1,6 @@
 """Cutting an ordered list of tensors into consecutive parts of about equal size (DiLoCo's
-fragments; the layers each rank of a node takes in PowerSGD's hierarchical form)."""
+fragments; the layers each rank of a node takes in PowerSGD's hierarchical form), and a buffer
+into the chunks that the hierarchical allreduce pipelines (also priced by the scale model)."""
 from typing import List, Sequence
 
 
@@ -16,3 +17,10 @@ def balanced_parts(sizes: Sequence[int], parts: int) -> List[List[int]]:
         groups[at].append(i)
         seen, previous = seen + size, at
     return groups
+
+
+def pipeline_chunk_bytes(nbytes: int, configured: int = 0) -> int:
+    """Bytes per chunk of a pipelined hierarchical allreduce of ``nbytes``: ``configured``
+    (HOROVOD_HIERARCHICAL_CHUNK_BYTES), or an eighth of the buffer between 1 and 16 MiB (smaller
+    chunks overlap more, each costs a few synchronisations)."""
+    return configured or min(max(nbytes // 8, 1 << 20), 16 << 20)

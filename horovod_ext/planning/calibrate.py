@@ -80,18 +80,15 @@ def local_costs(nbytes: int = 32 * MiB, layers: int = 64) -> Dict[str, float]:
 
 def optimizer_costs(buffer: torch.Tensor) -> Dict[str, float]:
     """Seconds per byte of parameters of an Adam step (torch) and a LAMB step (the fused
-    kernels hvd.Lamb and SLAMB share); SLAMB's step is LAMB's plus its random-k work, which
-    the schedule counts apart."""
+    kernels hvd.Lamb, 1-bit LAMB and SLAMB share; SLAMB's random-k work is counted apart)."""
     from horovod_ext.backends.lamb import Lamb
     nbytes = buffer.numel() * 4
     param = torch.nn.Parameter(buffer.clone())
     param.grad = torch.randn_like(param) * 1e-3
     adam = torch.optim.Adam([param], lr=1e-4)
     lamb = Lamb([param], lr=1e-4)
-    costs = {"optimizer_adam": seconds_per_call(adam.step, repeats=5) / nbytes,
-             "optimizer_lamb": seconds_per_call(lamb.step, repeats=5) / nbytes}
-    costs["optimizer_slamb"] = costs["optimizer_lamb"]
-    return costs
+    return {"optimizer_adam": seconds_per_call(adam.step, repeats=5) / nbytes,
+            "optimizer_lamb": seconds_per_call(lamb.step, repeats=5) / nbytes}
 
 
 def matmul_flops_per_s(hidden: int = 1024, rank: int = 4) -> float:

@@ -5,9 +5,10 @@ hierarchical; ``training_step`` adds a step's compute with the gradient buckets 
 backward (each bucket's reduction starts when its gradients are ready and after the previous
 one, as DistributedOptimizer's hooks do); ``plan`` puts both in a table with a recommendation.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from ..config import Config
 from . import schedules as S
 from .cluster import Cluster
 from .profile import Profile, load
@@ -23,8 +24,9 @@ OPS = {
     "powersgd": ("hvd.PowerSGD(rank=4)", False),
     "diloco": ("hvd.DiLoCo(sync_every=50)", False),
 }
-BUCKET_BYTES = 25 << 20
 DILOCO_H = 50
+#: the optimizer step each op's users run (1-bit LAMB and SLAMB: LAMB's fused kernels)
+OPTIMIZER = {"onebit": "optimizer_lamb", "slamb": "optimizer_lamb"}
 
 
 @dataclass
@@ -34,7 +36,7 @@ class Options:
     randomk_ratio: float = 0.01
     slamb_ratio: float = 0.1
     powersgd_rank: int = 4
-    bucket_bytes: int = BUCKET_BYTES
+    bucket_bytes: int = Config.gradient_bucket_bytes   # DistributedOptimizer's default
 
 
 def _schedule(op: str, cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
@@ -54,7 +56,7 @@ def _schedule(op: str, cluster: Cluster, nbytes: float, profile: Profile, hierar
     raise ValueError(f"unknown op {op!r}: one of {', '.join(OPS)}")
 
 
-def schedule_time(schedule: S.Schedule, times, cluster: Cluster, profile: Profile) -> float:
+def schedule_time(schedule: S.Schedule, times, profile: Profile) -> float:
     """Seconds of one run of ``schedule`` given the patterns' (latency, per-byte) times."""
     stage_times = []
     for stage in schedule.stages:
@@ -106,7 +108,7 @@ def reduction_times(cluster: Cluster, nbytes: Sequence[float], ops: Sequence[str
     patterns = [step.pattern for *_, sch in plans for stage in sch.stages for step in stage]
     times = pattern_times(cluster, profile, patterns)
     fixed = call_overhead(cluster, profile)
-    return [Reduction(op, hier, size, schedule_time(sch, times, cluster, profile) + fixed,
+    return [Reduction(op, hier, size, schedule_time(sch, times, profile) + fixed,
                       sch.sent_per_rank) for op, hier, size, sch in plans]
 
 
@@ -117,7 +119,6 @@ class StepPrediction:
     step_s: float
     comm_s: float               # the reductions' own time, overlapped or not
     sent_per_rank: float        # bytes per step
-    notes: List[str] = field(default_factory=list)
 
 
 def buckets(model_bytes: float, bucket_bytes: int) -> List[float]:
@@ -144,7 +145,8 @@ def training_step(cluster: Cluster, model_bytes: float, compute_s: float,
     profile = profile or load()
     o = options or Options()
     sizes = buckets(model_bytes, o.bucket_bytes)
-    wanted = sorted(set(sizes)) + [model_bytes]
+    # DiLoCo averages the whole model once a round; the others reduce the buckets
+    wanted = sorted(set(sizes)) + ([model_bytes] if "diloco" in ops else [])
     table = {(r.op, r.hierarchical, r.nbytes): r
              for r in reduction_times(cluster, wanted, ops, hierarchical, profile, o)}
     forward, backward = compute_s / 3, 2 * compute_s / 3
@@ -155,24 +157,21 @@ def training_step(cluster: Cluster, model_bytes: float, compute_s: float,
     out = []
     for op in ops:
         for hier in hierarchical:
-            if (op, hier, model_bytes) not in table:
+            if hier and not S.hierarchy_applies(cluster):
                 continue
-            notes = []
-            optimizer = profile.cost({"slamb": "optimizer_slamb", "onebit": "optimizer_lamb"}
-                                     .get(op, "optimizer_adam"), model_bytes)
+            optimizer = profile.cost(OPTIMIZER.get(op, "optimizer_adam"), model_bytes)
             if op == "diloco":
                 whole = table[(op, hier, model_bytes)]
                 comm = whole.seconds / DILOCO_H
                 step = compute_s + optimizer + comm
                 sent = whole.sent_per_rank / DILOCO_H
-                notes.append(f"one average of the model every {DILOCO_H} steps, amortised")
             else:
                 per_bucket = [table[(op, hier, size)] for size in sizes]
                 durations = [r.seconds for r in per_bucket]
                 comm = sum(durations)
                 step = max(compute_s, overlap(ready, durations)) + optimizer
                 sent = sum(r.sent_per_rank for r in per_bucket)
-            out.append(StepPrediction(op, hier, step, comm, sent, notes))
+            out.append(StepPrediction(op, hier, step, comm, sent))
     return out
 
 

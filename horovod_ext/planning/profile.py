@@ -19,8 +19,7 @@ PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profile_cpu.
 
 #: Per-byte costs a profile must have (seconds per byte of input, one core).
 PER_BYTE = ("reduce", "copy", "shm_reduce", "adasum", "onebit_compress", "onebit_decompress",
-            "randomk_gather", "randomk_scatter", "optimizer_adam", "optimizer_lamb",
-            "optimizer_slamb")
+            "randomk_gather", "randomk_scatter", "optimizer_adam", "optimizer_lamb")
 #: Fixed costs (seconds).
 PER_CALL = ("message", "call", "control_per_rank")
 

@@ -14,9 +14,10 @@ Transfers of one step are timed by the network engine (simulate.py), the local w
 calibrated costs of a profile (profile.py).  Nothing here knows about SimGrid.
 """
 import math
-from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence, Tuple
 
+from ..partition import pipeline_chunk_bytes
 from .cluster import Cluster
 from .profile import Profile
 
@@ -49,7 +50,6 @@ class Schedule:
     stages: List[List[Step]]
     chunks: int = 1
     sent_per_rank: float = 0.0     # bytes each rank puts on the wire, for the report
-    notes: List[str] = field(default_factory=list)
 
 
 # --- flow patterns ---------------------------------------------------------------------------
@@ -94,8 +94,6 @@ def _same_load_distance(rings: Sequence[Sequence[int]], distance: int, cluster: 
     step_nodes = (members[1] // per_node) - (members[0] // per_node)
     in_node = per_node if step_nodes == 0 else 1
     in_rack = in_node * rack
-    if not (power_of_two(in_node) and power_of_two(in_rack)):
-        return distance
     if distance < in_node:
         return 1
     if distance < in_rack:
@@ -121,20 +119,21 @@ def alltoall_pattern(cluster: Cluster, groups: Sequence[Sequence[int]]) -> Patte
             first = node - node % rack
             rack_nodes = [m for m in range(first, min(first + rack, cluster.nodes)) if m in on_node]
             in_rack = sum(len(on_node[m]) for m in rack_nodes)
-            later = rack_nodes[(rack_nodes.index(node) + 1) % len(rack_nodes)]
-            far_node = (first + rack + node % rack) % cluster.nodes
-            if far_node not in on_node:
-                far_node = next(m for m in sorted(on_node) if m // rack != node // rack) \
-                    if len(members) > in_rack else None
+            peers = []       # (node of the peer, pieces sent to that kind of peer)
+            if in_rack > len(here):
+                peers.append((rack_nodes[(rack_nodes.index(node) + 1) % len(rack_nodes)],
+                              in_rack - len(here)))
+            if len(members) > in_rack:
+                far = (first + rack + node % rack) % cluster.nodes   # same place, next rack
+                if far not in on_node:
+                    far = next(m for m in sorted(on_node) if m // rack != node // rack)
+                peers.append((far, len(members) - in_rack))
             for k, r in enumerate(here):
                 if len(here) > 1:
                     flows.append((r, here[(k + 1) % len(here)], float(len(here) - 1)))
-                if in_rack > len(here):
-                    there = on_node[later]
-                    flows.append((r, there[k % len(there)], float(in_rack - len(here))))
-                if far_node is not None:
-                    there = on_node[far_node]
-                    flows.append((r, there[k % len(there)], float(len(members) - in_rack)))
+                for peer_node, pieces in peers:
+                    there = on_node[peer_node]
+                    flows.append((r, there[k % len(there)], float(pieces)))
     return Pattern("alltoall:" + _shape(groups), tuple(flows))
 
 
@@ -178,7 +177,7 @@ def hierarchy_applies(cluster: Cluster) -> bool:
     return cluster.nodes > 1 and cluster.ranks_per_node > 1
 
 
-def in_node_reduce_scatter(cluster: Cluster, nbytes: float, profile: Profile) -> Step:
+def in_node_reduce_scatter(nbytes: float, profile: Profile) -> Step:
     """Shared memory: each local rank sums its 1/R slice of the R buffers (reads nbytes)."""
     return Step("node reduce-scatter (shared memory)",
                 compute_s=profile.cost("shm_reduce", nbytes))
@@ -191,9 +190,23 @@ def in_node_allgather(cluster: Cluster, nbytes: float, profile: Profile) -> Step
 
 
 def pipeline_chunks(nbytes: float) -> int:
-    """As Collectives._chunk_elements: an eighth of the buffer, between 1 and 16 MiB."""
-    chunk = min(max(nbytes // 8, 1 << 20), 16 << 20)
-    return max(1, math.ceil(nbytes / chunk))
+    """How many chunks the hierarchical allreduce pipelines (Collectives' chunk size)."""
+    return max(1, math.ceil(nbytes / pipeline_chunk_bytes(int(nbytes))))
+
+
+def across_nodes(op: str, cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
+                 body: Callable[[List[List[int]], float], Tuple[List[Step], float]]) -> Schedule:
+    """A non-pipelined op, as Collectives runs it with a ``cross_step``: flat, ``body`` over the
+    world on the whole buffer; hierarchical, a shared-memory reduce-scatter, ``body`` over the
+    cross-node groups on each local rank's shard, a shared-memory all-gather.  ``body(groups,
+    nbytes)`` returns its steps and the bytes each rank sends."""
+    hier = hierarchical and hierarchy_applies(cluster)
+    groups = cross_groups(cluster) if hier else world(cluster)
+    steps, sent = body(groups, nbytes / cluster.ranks_per_node if hier else nbytes)
+    if hier:
+        steps = [in_node_reduce_scatter(nbytes, profile), *steps,
+                 in_node_allgather(cluster, nbytes, profile)]
+    return Schedule(op, [steps], 1, sent)
 
 
 # --- ops -----------------------------------------------------------------------------------------
@@ -204,7 +217,7 @@ def average(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: boo
         chunks = pipeline_chunks(nbytes)
         piece = nbytes / chunks
         r = cluster.ranks_per_node
-        stages = [[in_node_reduce_scatter(cluster, piece, profile)],
+        stages = [[in_node_reduce_scatter(piece, profile)],
                   ring_allreduce(cross_groups(cluster), piece / r, profile, "cross allreduce"),
                   [in_node_allgather(cluster, piece, profile)]]
         n = cluster.nodes
@@ -217,50 +230,42 @@ def adasum(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool
            layers: int) -> Schedule:
     """Recursive vector halving over the largest power of two p (others folded in first), one
     allreduce of the level's dot-product table over the whole communicator per level, then the
-    halves gathered back in reverse (adasum/rvh.py).  Hierarchical: node average in shared
-    memory, the tree across nodes on each local rank's shard (dot products also summed over the
-    node), node all-gather."""
+    halves gathered back in reverse (adasum/rvh.py).  Hierarchical: the tree across nodes on
+    each local rank's shard, its dot products also summed over the node."""
     hier = hierarchical and hierarchy_applies(cluster)
-    groups = cross_groups(cluster) if hier else world(cluster)
-    shard = nbytes / cluster.ranks_per_node if hier else nbytes
-    n = len(groups[0])
-    p = 1 << (n.bit_length() - 1)
-    steps: List[Step] = []
-    if hier:
-        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
-    sent = 0.0
-    if n - p:
-        fold = Pattern("fold", tuple((g[i + p], g[i], 1.0) for g in groups for i in range(n - p)))
-        steps.append(Step("fold exchange", fold, shard, profile.cost("adasum", shard), 1))
-    piece = shard
-    level, table = 0, 3 * 8 * layers
-    while (1 << level) < p:
-        d = 1 << level
-        piece /= 2
-        pairs = pair_pattern([g[:p] for g in groups], d, cluster)
-        steps.append(Step(f"level {level + 1} exchange", pairs, piece,
-                          profile.cost("adasum", piece), 1))
-        groups_of_table = p // (2 * d)
-        steps.extend(ring_allreduce(groups, table * groups_of_table, profile,
-                                    f"level {level + 1} dot products"))
-        if hier:   # the node's ranks hold the other shards: a small allreduce among them
-            steps.append(Step("dot products over the node", compute_s=profile.cost(
-                "message", 2 * (cluster.ranks_per_node - 1))))
-        sent += piece
-        level += 1
-    for lv in reversed(range(level)):
-        d = 1 << lv
-        steps.append(Step(f"level {lv + 1} gather back",
-                          pair_pattern([g[:p] for g in groups], d, cluster),
-                          shard / (2 * d), 0.0, 1))
-    sent *= 2
-    if n - p:
-        fold_back = Pattern("unfold", tuple((g[i], g[i + p], 1.0) for g in groups
-                                            for i in range(n - p)))
-        steps.append(Step("fold result", fold_back, shard, 0.0, 1))
-    if hier:
-        steps.append(in_node_allgather(cluster, nbytes, profile))
-    return Schedule("adasum", [steps], 1, sent)
+
+    def body(groups, shard):
+        n = len(groups[0])
+        p = 1 << (n.bit_length() - 1)
+        tree = [g[:p] for g in groups]
+        steps: List[Step] = []
+        if n - p:
+            fold = Pattern("fold", tuple((g[i + p], g[i], 1.0) for g in groups
+                                         for i in range(n - p)))
+            steps.append(Step("fold exchange", fold, shard, profile.cost("adasum", shard), 1))
+        levels = p.bit_length() - 1
+        table = 3 * 8 * layers
+        for level in range(levels):
+            d = 1 << level
+            piece = shard / (2 * d)
+            steps.append(Step(f"level {level + 1} exchange", pair_pattern(tree, d, cluster),
+                              piece, profile.cost("adasum", piece), 1))
+            steps.extend(ring_allreduce(groups, table * (p // (2 * d)), profile,
+                                        f"level {level + 1} dot products"))
+            if hier:   # the node's ranks hold the other shards: a small allreduce among them
+                steps.append(Step("dot products over the node", compute_s=profile.cost(
+                    "message", 2 * (cluster.ranks_per_node - 1))))
+        for level in reversed(range(levels)):
+            d = 1 << level
+            steps.append(Step(f"level {level + 1} gather back", pair_pattern(tree, d, cluster),
+                              shard / (2 * d), 0.0, 1))
+        if n - p:
+            unfold = Pattern("unfold", tuple((g[i], g[i + p], 1.0) for g in groups
+                                             for i in range(n - p)))
+            steps.append(Step("fold result", unfold, shard, 0.0, 1))
+        # each level sends half of what the one before did, there and back
+        return steps, 2 * shard * (1 - 1 / p)
+    return across_nodes("adasum", cluster, nbytes, profile, hierarchical, body)
 
 
 def onebit(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
@@ -268,77 +273,54 @@ def onebit(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool
     """The compressed stage (after the warm-up): compress with the worker error, all-to-all of
     1-bit chunks, all-gather of the scales, server average and recompress, all-gather of the
     server chunks and their scales, decompress (onebit/compressed_allreduce.py)."""
-    hier = hierarchical and hierarchy_applies(cluster)
-    groups = cross_groups(cluster) if hier else world(cluster)
-    shard = nbytes / cluster.ranks_per_node if hier else nbytes
-    n = len(groups[0])
-    steps: List[Step] = []
-    if hier:
-        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
-    packed = shard / F32 / 8                      # one bit per element
-    piece = packed / n
-    scales = 4 * layers
-    steps.append(Step("compress", compute_s=profile.cost("onebit_compress", shard)))
-    if n > 1:
-        steps.append(Step("all-to-all of signs", alltoall_pattern(cluster, groups), piece, 0.0,
-                          n - 1))
-        steps.extend(ring_allgather(groups, scales, "all-gather of scales"))
-        steps.append(Step("server average", compute_s=profile.cost("onebit_decompress", shard)
-                          + profile.cost("onebit_compress", shard / n)))
-        steps.extend(ring_allgather(groups, piece, "all-gather of server chunks"))
-        steps.extend(ring_allgather(groups, scales / n + 4, "all-gather of server scales"))
-    steps.append(Step("decompress", compute_s=profile.cost("onebit_decompress", shard)))
-    if hier:
-        steps.append(in_node_allgather(cluster, nbytes, profile))
-    sent = 2 * (n - 1) * piece if n > 1 else 0.0
-    return Schedule("onebit", [steps], 1, sent)
+    def body(groups, shard):
+        n = len(groups[0])
+        piece = shard / F32 / 8 / n                   # one bit per element, a chunk per rank
+        scales = 4 * layers
+        steps = [Step("compress", compute_s=profile.cost("onebit_compress", shard))]
+        if n > 1:
+            steps.append(Step("all-to-all of signs", alltoall_pattern(cluster, groups), piece,
+                              0.0, n - 1))
+            steps.extend(ring_allgather(groups, scales, "all-gather of scales"))
+            steps.append(Step("server average", compute_s=profile.cost("onebit_decompress", shard)
+                              + profile.cost("onebit_compress", shard / n)))
+            steps.extend(ring_allgather(groups, piece, "all-gather of server chunks"))
+            steps.extend(ring_allgather(groups, scales / n + 4, "all-gather of server scales"))
+        steps.append(Step("decompress", compute_s=profile.cost("onebit_decompress", shard)))
+        return steps, 2 * (n - 1) * piece
+    return across_nodes("onebit", cluster, nbytes, profile, hierarchical, body)
 
 
 def randomk(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
             ratio: float) -> Schedule:
     """A fraction ``ratio`` of the elements, chosen by a mask every rank draws alike, gathered
-    into one buffer, averaged with one allreduce and scattered back (flat), or across nodes on
-    each rank's shard after a full node average (hierarchical)."""
-    hier = hierarchical and hierarchy_applies(cluster)
-    groups = cross_groups(cluster) if hier else world(cluster)
-    shard = nbytes / cluster.ranks_per_node if hier else nbytes
-    selected = shard * ratio
-    steps: List[Step] = []
-    if hier:
-        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
-    steps.append(Step("gather selected", compute_s=profile.cost("randomk_gather", selected)))
-    steps.extend(ring_allreduce(groups, selected, profile))
-    steps.append(Step("scatter back", compute_s=profile.cost("randomk_scatter", selected)))
-    if hier:
-        steps.append(in_node_allgather(cluster, nbytes, profile))
-    n = len(groups[0])
-    return Schedule("randomk", [steps], 1, 2 * (n - 1) / n * selected if n > 1 else 0.0)
+    into one buffer, averaged with one allreduce and scattered back."""
+    def body(groups, shard):
+        n = len(groups[0])
+        selected = shard * ratio
+        steps = [Step("gather selected", compute_s=profile.cost("randomk_gather", selected)),
+                 *ring_allreduce(groups, selected, profile),
+                 Step("scatter back", compute_s=profile.cost("randomk_scatter", selected))]
+        return steps, 2 * (n - 1) / n * selected
+    return across_nodes("randomk", cluster, nbytes, profile, hierarchical, body)
 
 
 def powersgd(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
              rank: int, hidden: int) -> Schedule:
-    """Rank-``rank`` PowerSGD with its matrices taken as ``hidden`` x ``hidden`` blocks: an
-    allreduce of the P factors, orthogonalisation, an allreduce of the Q factors, and the
-    products P Q^T (three matrix products of hidden^2 x rank per block)."""
-    blocks = max(1.0, nbytes / F32 / (hidden * hidden))
-    factor_bytes = blocks * hidden * rank * F32
-    flops = blocks * 3 * 2 * hidden * hidden * rank
-    hier = hierarchical and hierarchy_applies(cluster)
-    groups = world(cluster)
-    steps: List[Step] = []
-    if hier:
-        # a node average first, then each local rank takes its share of the layers across
-        steps.append(in_node_reduce_scatter(cluster, nbytes, profile))
-        groups = cross_groups(cluster)
-        factor_bytes /= cluster.ranks_per_node
-        flops /= cluster.ranks_per_node
-    steps.append(Step("P = M Q", compute_s=profile.flops(flops / 3)))
-    steps.extend(ring_allreduce(groups, factor_bytes, profile, "allreduce of P"))
-    steps.append(Step("orthogonalise P, Q = M^T P", compute_s=profile.flops(flops / 3)
-                      + profile.cost("copy", factor_bytes)))
-    steps.extend(ring_allreduce(groups, factor_bytes, profile, "allreduce of Q"))
-    steps.append(Step("M = P Q^T", compute_s=profile.flops(flops / 3)))
-    if hier:
-        steps.append(in_node_allgather(cluster, nbytes, profile))
-    n = len(groups[0])
-    return Schedule("powersgd", [steps], 1, 2 * 2 * (n - 1) / n * factor_bytes if n > 1 else 0.0)
+    """Rank-``rank`` PowerSGD with its matrices taken as ``hidden`` x ``hidden`` blocks: P = M Q,
+    an allreduce of the P factors, orthogonalisation and Q = M^T P, an allreduce of the Q
+    factors, M = P Q^T (three products of hidden^2 x rank per block).  Hierarchical: each local
+    rank takes its share of the layers across nodes."""
+    def body(groups, shard):
+        n = len(groups[0])
+        blocks = max(1.0, shard / F32 / (hidden * hidden))
+        factor_bytes = blocks * hidden * rank * F32
+        product = profile.flops(blocks * 2 * hidden * hidden * rank)
+        steps = [Step("P = M Q", compute_s=product),
+                 *ring_allreduce(groups, factor_bytes, profile, "allreduce of P"),
+                 Step("orthogonalise P, Q = M^T P",
+                      compute_s=product + profile.cost("copy", factor_bytes)),
+                 *ring_allreduce(groups, factor_bytes, profile, "allreduce of Q"),
+                 Step("M = P Q^T", compute_s=product)]
+        return steps, 2 * 2 * (n - 1) / n * factor_bytes
+    return across_nodes("powersgd", cluster, nbytes, profile, hierarchical, body)

@@ -68,44 +68,40 @@ def load_simgrid():
     return module
 
 
-class _Platform:
-    def __init__(self, sg, cluster: Cluster, profile: Profile):
-        self.sg = sg
-        up = sg.LinkInRoute.Direction.UP
-        loop_bw = cluster.loopback_Bps or profile.loopback_Bps
-        nic_bw = cluster.link_Bps * profile.efficiency
-        root = sg.NetZone.create_star_zone("cluster")
-        racked = cluster.nodes_per_rack and cluster.nodes > cluster.nodes_per_rack
-        parents = {}
-        if racked:
-            uplink_bw = cluster.nodes_per_rack * nic_bw / cluster.oversubscription
-            for rack in range(-(-cluster.nodes // cluster.nodes_per_rack)):
-                zone = sg.NetZone.create_star_zone(f"rack{rack}")
-                zone.set_parent(root)
-                parents[rack] = (zone, zone.create_router(f"rack{rack}-switch"))
-        self.hosts = []
-        for node in range(cluster.nodes):
-            rack = node // cluster.nodes_per_rack if racked else None
-            parent = parents[rack][0] if racked else root
-            zone = sg.NetZone.create_star_zone(f"node{node}")
-            zone.set_parent(parent)
-            gateway = zone.create_router(f"node{node}-nic")
-            for local in range(cluster.ranks_per_node):
-                host = zone.create_host(f"rank{len(self.hosts)}", 1e9).seal()
-                link = zone.create_split_duplex_link(f"rank{len(self.hosts)}-lo", loop_bw)
-                link.set_latency(0).seal()
-                zone.add_route(host.netpoint, None, None, None, [sg.LinkInRoute(link, up)], True)
-                self.hosts.append(host)
-            zone.seal()
-            nic = parent.create_split_duplex_link(f"node{node}-nic", nic_bw)
-            nic.set_latency(0).seal()
-            parent.add_route(zone.netpoint, None, gateway, None, [sg.LinkInRoute(nic, up)], True)
-        for rack, (zone, switch) in parents.items():
-            zone.seal()
-            uplink = root.create_split_duplex_link(f"rack{rack}-uplink", uplink_bw)
-            uplink.set_latency(0).seal()
-            root.add_route(zone.netpoint, None, switch, None, [sg.LinkInRoute(uplink, up)], True)
-        root.seal()
+def _build_platform(sg, cluster: Cluster, profile: Profile) -> list:
+    """The cluster as SimGrid zones (links without latency: route_latency adds it); returns
+    the host of each rank."""
+    up = sg.LinkInRoute.Direction.UP
+    loop_bw = cluster.loopback_Bps or profile.loopback_Bps
+    nic_bw = cluster.link_Bps * profile.efficiency
+    root = sg.NetZone.create_star_zone("cluster")
+    racks = {}
+    if cluster.nodes_per_rack and cluster.nodes > cluster.nodes_per_rack:
+        for rack in range(-(-cluster.nodes // cluster.nodes_per_rack)):
+            zone = sg.NetZone.create_star_zone(f"rack{rack}")
+            zone.set_parent(root)
+            racks[rack] = (zone, zone.create_router(f"rack{rack}-switch"))
+    hosts = []
+    for node in range(cluster.nodes):
+        parent = racks[node // cluster.nodes_per_rack][0] if racks else root
+        zone = sg.NetZone.create_star_zone(f"node{node}")
+        zone.set_parent(parent)
+        gateway = zone.create_router(f"node{node}-nic")
+        for _ in range(cluster.ranks_per_node):
+            host = zone.create_host(f"rank{len(hosts)}", 1e9).seal()
+            loopback = zone.create_split_duplex_link(f"rank{len(hosts)}-lo", loop_bw).seal()
+            zone.add_route(host.netpoint, None, None, None, [sg.LinkInRoute(loopback, up)], True)
+            hosts.append(host)
+        zone.seal()
+        nic = parent.create_split_duplex_link(f"node{node}-nic", nic_bw).seal()
+        parent.add_route(zone.netpoint, None, gateway, None, [sg.LinkInRoute(nic, up)], True)
+    uplink_bw = cluster.nodes_per_rack * nic_bw / cluster.oversubscription
+    for rack, (zone, switch) in racks.items():
+        zone.seal()
+        uplink = root.create_split_duplex_link(f"rack{rack}-uplink", uplink_bw).seal()
+        root.add_route(zone.netpoint, None, switch, None, [sg.LinkInRoute(uplink, up)], True)
+    root.seal()
+    return hosts
 
 
 def route_latency(cluster: Cluster, profile: Profile, pattern: Pattern) -> float:
@@ -125,8 +121,7 @@ def _simulate(cluster: Cluster, profile: Profile, patterns) -> Dict[Pattern, Tup
     engine = sg.Engine(["horovod_ext-plan", "--cfg=network/model:CM02",
                         "--cfg=network/crosstraffic:0", "--log=root.thresh:critical",
                         "--log=xbt_cfg.thresh:critical"])
-    platform = _Platform(sg, cluster, profile)
-    hosts = platform.hosts
+    hosts = _build_platform(sg, cluster, profile)
     result, failure = {}, []
 
     def driver():
@@ -135,7 +130,7 @@ def _simulate(cluster: Cluster, profile: Profile, patterns) -> Dict[Pattern, Tup
                 latency = route_latency(cluster, profile, pattern)
                 start = engine.clock
                 comms = [sg.Comm.sendto_async(hosts[s], hosts[d], max(1, int(w * SIZE)))
-                         for s, d, w in pattern.flows if s != d and w > 0]
+                         for s, d, w in pattern.flows]
                 if comms:
                     sg.Comm.wait_all(comms)
                 result[pattern] = (latency, (engine.clock - start) / SIZE)
