@@ -44,6 +44,31 @@ def body_train():
     return history, params
 
 
+def body_tuned_then_plain(untuned_env):
+    """``body_train`` tuned (as the launch's environment says), then, in the same processes
+    re-initialised with ``untuned_env`` instead of the autotune variables, untuned: the
+    reference run, without a second launch of every rank."""
+    import os
+    import horovod_ext.torch as hvd
+    tuned = body_train()
+    hvd.shutdown()
+    for key in [k for k in os.environ if k.startswith("HOROVOD_AUTOTUNE")]:
+        del os.environ[key]
+    os.environ.update(untuned_env)
+    hvd.init()
+    return tuned, body_train()
+
+
+def _split(results):
+    """Per-rank (tuned, plain) results as two lists; the plain run must not have been tuned:
+    no autotuner, and the launch's settings at every step."""
+    tuned, plain = [t for t, _ in results], [p for _, p in results]
+    for history, _ in plain:
+        assert all(h[7] is None for h in history), "the reference run was tuned"
+        assert {h[:3] for h in history} == {(0, 20.0, 0)}, "the reference run's settings moved"
+    return tuned, plain
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_rank_takes_each_setting_at_the_same_step_and_results_do_not_change(backend,
                                                                                   tmp_path):
@@ -51,8 +76,8 @@ def test_every_rank_takes_each_setting_at_the_same_step_and_results_do_not_chang
     env = dict(BAD, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_LOG=log_path,
                HOROVOD_AUTOTUNE_WARMUP_SAMPLES="1", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="3",
                HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="6")
-    tuned = run_ranks(body_train, 2, backend, env=env)
-    plain = run_ranks(body_train, 2, backend, env=BAD)
+    # tuned, then (the same processes re-initialised without the autotune variables) plain
+    tuned, plain = _split(run_ranks(body_tuned_then_plain, 2, backend, env=env, args=(BAD,)))
     histories = [h for h, _ in tuned]
     assert histories[0] == histories[1]            # the same setting at every step everywhere
     settings = {h[:6] for h in histories[0]}
@@ -86,8 +111,8 @@ def test_hierarchy_is_tuned_where_there_are_nodes():
     env = dict(BAD, HOROVOD_AUTOTUNE="1", HOROVOD_AUTOTUNE_WARMUP_SAMPLES="0",
                HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="2", HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES="10")
     nodes = ["node-a", "node-a", "node-b", "node-b"]
-    tuned = run_ranks(body_train, 4, "gloo", env=env, hostnames=nodes, timeout=150)
-    plain = run_ranks(body_train, 4, "gloo", env=BAD, hostnames=nodes, timeout=150)
+    tuned, plain = _split(run_ranks(body_tuned_then_plain, 4, "gloo", env=env, args=(BAD,),
+                                    hostnames=nodes, timeout=150))
     histories = [h for h, _ in tuned]
     assert all(h == histories[0] for h in histories)
     assert {h[8] for h in histories[0]} == {False, True}    # hierarchical allreduce off and on

@@ -41,6 +41,23 @@ def installed(tmp_path_factory, wheel):
     return target
 
 
+@pytest.fixture(scope="module")
+def venv_template(tmp_path_factory):
+    """A new, untouched virtual environment (with its pip), made once: each test that needs a
+    fresh one gets a copy of it (``fresh_venv``), which is much faster than ``python -m venv``."""
+    venv = tmp_path_factory.mktemp("venv_template") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    return venv
+
+
+def fresh_venv(template, tmp_path):
+    """A copy of ``template`` of this test's own (its python is a link to this Python, as in
+    any venv; pip is used as ``python -m pip``, so no script's first line names the template)."""
+    venv = tmp_path / "venv"
+    shutil.copytree(template, venv, symlinks=True)
+    return venv
+
+
 def _env(target, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "OMPI_", "PMI"))}
     env.update(PYTHONPATH=os.pathsep.join([target, REPO]), OMP_NUM_THREADS="1", **extra)
@@ -185,9 +202,8 @@ def _fake_real_horovod(site):
         f.write("Metadata-Version: 2.1\nName: horovod\nVersion: 0.28.1\n")
 
 
-def test_refuses_to_install_beside_the_real_horovod(tmp_path):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+def test_refuses_to_install_beside_the_real_horovod(tmp_path, venv_template):
+    venv = fresh_venv(venv_template, tmp_path)
     python = str(venv / "bin" / "python")
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
                            "['purelib'])"], capture_output=True, text=True, check=True,
@@ -211,9 +227,8 @@ def test_refuses_to_import_beside_the_real_horovod(installed, tmp_path):
     assert "both the real Horovod 0.28.1 and horovod-ext-compat are installed" in out.stderr
 
 
-def test_uninstalling_leaves_horovod_ext(tmp_path, wheel):
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+def test_uninstalling_leaves_horovod_ext(tmp_path, wheel, venv_template):
+    venv = fresh_venv(venv_template, tmp_path)
     python = str(venv / "bin" / "python")
     out = _pip("install", "--no-deps", wheel, python=python)
     assert out.returncode == 0, out.stdout + out.stderr
