@@ -115,16 +115,23 @@ def init(comm=None):
         world = bootstrap.create_world(transport, config.timeout_s, use_nccl, mpi_comm=comm)
         _setup_logging(config, world.rank)
         topology = Topology.build(world, bootstrap.hostname())
-        control, comms, engine = _start_engine(topology, transport, config)
-        state.config, state.topology, state.comms = config, topology, comms
-        state.control, state.transport = control, transport
+        state.config, state.topology = config, topology
+        state.clock_zero_ns = _clock_zero(world)
+        # Before the engine runs: a faster rank's first submission reaches this rank's
+        # negotiation as soon as the engine's loop starts, and belongs in the timeline.
+        if config.timeline and config.timeline.upper() != "DYNAMIC":
+            _start_timeline(config.timeline, config.timeline_mark_cycles)
+        try:
+            control, comms, engine = _start_engine(topology, transport, config)
+        except BaseException:
+            timeline.stop()
+            state.topology = None
+            raise
+        state.comms, state.control, state.transport = comms, control, transport
         state.owns_torch_dist = transport == "gloo" and not had_dist
         state.engine = engine
         state.sets, state.next_set_id = {}, 1
         state.generation += 1
-        state.clock_zero_ns = _clock_zero(world)
-        if config.timeline and config.timeline.upper() != "DYNAMIC":
-            _start_timeline(config.timeline, config.timeline_mark_cycles)
         state.autotuner = None
         if config.autotune:
             state.autotuner = autotune.Autotuner(config, autotune.Setting.of(config, comms),
