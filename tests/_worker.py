@@ -1,8 +1,10 @@
-"""Entry point of one test rank: ``python -m tests._worker MODULE FUNCTION RESULT_DIR``.
+"""Entry point of one test rank: ``python -m tests._worker MODULE FUNCTION RESULT_DIR``, or
+``run_forked`` in a child of the harness's fork server (see tests/harness.py).
 
 Runs ``MODULE.FUNCTION(*args)`` between hvd.init() and hvd.shutdown() and leaves the pickled
 return value (or the traceback) in RESULT_DIR for the harness to read.
 """
+import atexit
 import importlib
 import os
 import pickle
@@ -10,8 +12,7 @@ import sys
 import traceback
 
 
-def main():
-    module_name, func_name, result_dir = sys.argv[1:4]
+def main(module_name, func_name, result_dir):
     from horovod_ext.backends.bootstrap import detect_launch
     rank = detect_launch().rank
     hostnames = os.environ.get("HVD_TEST_HOSTNAMES")
@@ -41,5 +42,24 @@ def main():
         os._exit(1)
 
 
+def run_forked(module_name, func_name, result_dir, env, log_path):
+    """``main`` in a fresh child of the fork server, set up as ``python -m tests._worker``
+    would be: its own session (the harness kills the group), exactly ``env``, output to
+    ``log_path``, and the exit functions run at the end as at a normal exit."""
+    os.setsid()
+    os.environ.clear()          # in place: functions hold os.environ as a default argument
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    try:
+        main(module_name, func_name, result_dir)
+    finally:
+        atexit._run_exitfuncs()
+
+
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:4])

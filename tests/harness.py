@@ -4,7 +4,15 @@
 mpirun for MPI), runs the module-level function ``fn`` on each after hvd.init(), and returns the
 list of per-rank return values.  Any rank failing, or the whole run outliving ``timeout``, raises
 an AssertionError carrying every rank's traceback and output tail.
+
+Gloo ranks are forked from a fork server that imported torch and horovod_ext once for the whole
+session (a fresh interpreter spends 1-3 s of this machine's CPU on those imports and on
+torch._dynamo, which the first optimizer step imports); each rank is still a new process with
+exactly its environment, and nothing has been initialised in it.  HVD_TEST_FRESH_PROCESSES=1
+starts every rank as its own interpreter instead.
 """
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import shutil
@@ -47,6 +55,79 @@ def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str]) -> L
     for key in extra_env:
         cmd += ["-x", key]
     return cmd + list(argv)
+
+
+# Imported by the fork server before it forks ranks.  Nothing here may start threads or MPI.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "horovod_ext.torch", "tests._worker"]
+# What the fork server's imports need from the environment every rank gets (OpenMP reads its
+# thread count once, when torch loads it).
+PRELOAD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+_fork_context = None
+
+
+def _forking():
+    """The fork server's context, started on first use; None where ranks start fresh."""
+    global _fork_context
+    if os.environ.get("HVD_TEST_FRESH_PROCESSES") == "1":
+        return None
+    if _fork_context is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        saved = {k: os.environ.get(k) for k in PRELOAD_ENV}
+        os.environ.update(PRELOAD_ENV)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        _fork_context = context
+    return _fork_context
+
+
+class _ForkedRank:
+    """A forked rank behind the part of subprocess.Popen's interface the harness uses."""
+
+    def __init__(self, process):
+        self.process = process
+        self.pid = process.pid
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self):
+        self.process.join()
+        return self.process.exitcode
+
+    @property
+    def returncode(self):
+        return self.process.exitcode
+
+
+def _start_rank(argv, env, log, forking):
+    """One Gloo rank: forked from the fork server, or a new interpreter running ``argv``."""
+    if forking is None:
+        return subprocess.Popen(argv, env=env, cwd=REPO, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    from tests._worker import run_forked
+    process = forking.Process(target=run_forked, args=(*argv[3:6], env, log.name))
+    process.start()
+    return _ForkedRank(process)
+
+
+def _kill(proc):
+    """SIGKILL a rank's process group (its own session), or the rank alone when it has not
+    made one yet."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 # mpirun itself now and then fails to start here before any rank runs; such a launch (and only
@@ -106,6 +187,7 @@ def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, 
                                       stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     elif backend == "gloo":
+        forking = _forking()
         port = free_port()
         for rank in range(np):
             env_r = dict(base_env, **extra)
@@ -115,8 +197,7 @@ def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, 
             env_r.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
             log = open(os.path.join(result_dir, f"rank{rank}.log"), "w+")
             logs.append(log)
-            procs.append(subprocess.Popen(argv, env=env_r, cwd=REPO, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(_start_rank(argv, env_r, log, forking))
     else:
         raise ValueError(backend)
 
@@ -135,8 +216,7 @@ def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, 
         time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            _kill(p)
     output = ""
     for log in logs:
         log.seek(0)
