@@ -243,6 +243,8 @@ def sibling(name: str):
     spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # its first lines put this folder back on the path (the import of this module is cached)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
     return module
 
 

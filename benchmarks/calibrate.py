@@ -8,14 +8,19 @@ Measures, on one core: each op's local work per byte (reduction, copy, Adasum's 
 and combine, 1-bit compress and decompress, random-k gather and scatter, Adam and LAMB steps),
 PowerSGD's matrix products, the control plane's cost per peer; with 2 local ranks: a raw Gloo
 allreduce of 4 bytes and of 16 MiB (the software cost of a message, loopback bandwidth), the same
-through horovod_ext (the engine's cost per call) and a 64 MiB allreduce through shared memory;
-on the lab: raw Gloo allreduces of 256 KiB to 16 MiB between 2 hosts, fitted to
+through horovod_ext (the engine's cost per call) and a 64 MiB allreduce through shared memory,
+then each op that runs its own cross-node step (Adasum, 1-bit, random-k, PowerSGD) on buffers
+of 2 to 32 MiB in 8 to 64 tensors: what it takes beyond the model's prediction from the costs
+above is its own work (fusion copies, per-tensor bookkeeping, mask drawing,
+orthogonalisation), fitted per op as ``call + per_byte * bytes + per_tensor * tensors``; on the
+lab: raw Gloo allreduces of 256 KiB to 16 MiB between 2 hosts, fitted to
 ``2 (latency + message) + bytes / bandwidth``: the achieved fraction of the link rate and the
 latency.  Writes the profile ``hvdrun --plan`` reads (``--out``, default the package's
 horovod_ext/planning/profile_cpu.json) with the commit, date and machine, and prints it.
 """
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -28,6 +33,68 @@ MiB = 1 << 20
 PROFILE = os.path.join(_spawn.REPO, "horovod_ext", "planning", "profile_cpu.json")
 LINK_SIZES = [256 << 10, 1 * MiB, 4 * MiB, 16 * MiB]
 RATES = {"100mbit": 100e6 / 8, "1gbit": 1e9 / 8}
+#: ops with a cross-node step of their own, and the buffers their own work is fitted on
+OWN_WORK_OPS = ["adasum", "onebit", "randomk", "powersgd"]
+OWN_WORK_SHAPES = ["8x256x256", "8x512x512", "32x256x256", "64x128x128", "8x1024x1024"]
+
+
+def hvd_op(hvd, name):
+    """The registry op the scale model calls ``name``."""
+    return {"average": hvd.Sum, "adasum": hvd.Adasum, "onebit": hvd.OneBit,
+            "randomk": hvd.RandomK(0.01),
+            "powersgd": hvd.PowerSGD(rank=4, start_iter=0, min_compression_rate=1.0)}[name]
+
+
+def parse_shapes(text):
+    """"8x512x512" -> 8 tensors of 512 x 512."""
+    count, *shape = (int(v) for v in text.split("x"))
+    return [tuple(shape)] * count
+
+
+def shapes_bytes(shapes):
+    return sum(4 * math.prod(shape) for shape in shapes)
+
+
+def time_op(op, shapes, np, calls, env=None, hosts=None, hostnames=None):
+    """Seconds of one grouped allreduce of ``shapes`` with ``op`` on ``np`` ranks: the median
+    over 5 blocks of ``calls`` calls started together, and the 5 blocks' samples."""
+    argv = [os.path.abspath(__file__), "--worker", "--mode", "op", "--op", op,
+            "--shapes", shapes, "--calls", str(calls)]
+    got = _spawn.run_collect("gloo", argv, np, env=env, hosts=hosts, hostnames=hostnames)
+    return got["seconds"], got["samples"]
+
+
+def predict_op(cluster, op, hierarchical, shapes, profile):
+    """The model's seconds for the same reduction."""
+    from horovod_ext.planning import Options, reduction_times
+    buffers = parse_shapes(shapes)
+    options = Options(layers=len(buffers), hidden=buffers[0][0])
+    (row,) = reduction_times(cluster, [shapes_bytes(buffers)], [op], [hierarchical], profile,
+                             options)
+    return row.seconds
+
+
+def own_work(profile, here_np=2):
+    """Each op's time beyond the model's prediction, fitted (profile.per_op): ``here_np``
+    ranks on loopback, each named a host of its own so that every op takes the path it takes
+    between hosts (TCP, no shared memory)."""
+    from horovod_ext.planning import Cluster, calibrate
+    cluster = Cluster(here_np, 1, profile.loopback_Bps)
+    hostnames = [f"calibrate{i}" for i in range(here_np)]
+    fits = {}
+    for op in OWN_WORK_OPS:
+        points = []
+        for shapes in OWN_WORK_SHAPES:
+            measured, _ = time_op(op, shapes, here_np, calls=10, hostnames=hostnames)
+            predicted = predict_op(cluster, op, False, shapes, profile)
+            buffers = parse_shapes(shapes)
+            points.append((shapes_bytes(buffers), len(buffers), measured - predicted))
+            print(f"  {op:<9} {shapes:<12} measured {measured * 1e3:7.2f} ms, model without "
+                  f"its own work {predicted * 1e3:7.2f} ms", flush=True)
+        fits[op] = {**calibrate.fit_op_work(points),
+                    "points": [{"bytes": b, "tensors": t, "unexplained_s": s}
+                               for b, t, s in points]}
+    return fits
 
 
 def timed(fn, calls, blocks, barrier) -> float:
@@ -40,7 +107,14 @@ def worker(args):
     import horovod_ext.torch as hvd
     hvd.init()
     out = {}
-    if args.mode == "loopback":
+    if args.mode == "op":
+        op = hvd_op(hvd, args.op)
+        g = torch.Generator().manual_seed(hvd.rank())
+        tensors = [torch.randn(*shape, generator=g) for shape in parse_shapes(args.shapes)]
+        out["seconds"], out["samples"] = _spawn.median_per_call(
+            lambda: hvd.grouped_allreduce_(tensors, op=op, name="op"), args.calls, 5,
+            dist.barrier)
+    elif args.mode == "loopback":
         small, big = torch.zeros(1), torch.zeros(16 * MiB // 4)
         shm = torch.zeros(64 * MiB // 4)
         out["raw_small_s"] = timed(lambda: dist.all_reduce(small), 200, 7, dist.barrier)
@@ -64,6 +138,9 @@ def main():
     p = _spawn.parser(__doc__, "calibrate.json")
     p.set_defaults(out=PROFILE)
     p.add_argument("--mode", default="loopback", help=argparse.SUPPRESS)
+    p.add_argument("--op", help=argparse.SUPPRESS)
+    p.add_argument("--shapes", help=argparse.SUPPRESS)
+    p.add_argument("--calls", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--lab", action="store_true", help="also the lab's links (root)")
     args = p.parse_args()
     if args.worker:
@@ -111,6 +188,8 @@ def main():
                          f"{os.cpu_count()} cores, {platform.system()}",
               "loopback": loop,
               "command": "benchmarks/calibrate.py" + (" --lab" if args.lab else "")})
+    print("each op's own work, 2 loopback ranks ...", flush=True)
+    profile.per_op = own_work(profile)
     profile.save(args.out)
     print(json.dumps(profile.to_json(), indent=1, sort_keys=True))
     print(f"wrote {args.out}")

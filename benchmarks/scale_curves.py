@@ -6,8 +6,10 @@ scale model (horovod_ext.planning), with the papers' clusters computed beside th
 Models: BERT-Large size (340 M parameters) and 1.3 B parameters, float32 gradients, 8 ranks per
 node, nodes 8 to 1024, links 1, 10 and 100 Gbit/s (25 us).  Compute per step per rank: the
 1-bit Adam paper's BERT-Large profile on V100 (forward 36 ms + backward 61 ms at 16 samples per
-GPU, Table 1), scaled by parameter count for 1.3 B.  For every op and node count the better of
-flat and hierarchical is plotted.
+GPU, optimizer step 75 ms, Table 1), scaled by parameter count for 1.3 B.  The reductions'
+local work (sums, compression, Adasum's combine) is priced at the profile's per-core costs of
+this machine, one core per rank.  For every op and node count the better of flat and
+hierarchical is plotted.
 
 Paper checks (``checks`` in the JSON): the clusters of the 1-bit Adam paper (4 GPUs per node,
 40 Gbit Ethernet with 4.1 Gbit/s measured, BERT-Large fp16 gradients: its allreduce took
@@ -29,6 +31,14 @@ NODES = [8, 16, 32, 64, 128, 256, 512, 1024]
 RATES = ["1gbit", "10gbit", "100gbit"]
 MODELS = {"BERT-Large (340 M)": 340e6, "1.3 B": 1.3e9}
 BERT_COMPUTE_S = 0.036 + 0.061
+BERT_OPTIMIZER_S = 0.075
+BERT_PARAMS = 340e6
+
+
+def per_rank_times(params):
+    """(forward + backward, optimizer) seconds of a BERT-like model of ``params`` parameters."""
+    scale = params / BERT_PARAMS
+    return BERT_COMPUTE_S * scale, BERT_OPTIMIZER_S * scale
 OPS = ["average", "adasum", "onebit", "slamb", "powersgd", "diloco"]
 
 
@@ -36,12 +46,13 @@ def curves(profile):
     from horovod_ext.planning import Cluster, parse_rate, training_step
     rows = []
     for model, params in MODELS.items():
-        compute = BERT_COMPUTE_S * params / MODELS["BERT-Large (340 M)"]
+        compute, optimizer = per_rank_times(params)
         for rate in RATES:
             for nodes in NODES:
                 started = time.perf_counter()
                 cluster = Cluster(nodes, 8, parse_rate(rate), 25e-6)
-                predictions = training_step(cluster, 4 * params, compute, OPS, profile)
+                predictions = training_step(cluster, 4 * params, compute, OPS, profile,
+                                            optimizer_s=optimizer)
                 for op in OPS:
                     best = min((p for p in predictions if p.op == op), key=lambda p: p.step_s)
                     rows.append({"model": model, "params": params, "rate": rate, "nodes": nodes,
@@ -57,7 +68,7 @@ def curves(profile):
 def checks(profile):
     from horovod_ext.planning import Cluster, parse_rate, reduction_times, training_step
     out = []
-    bert_fp16 = 2 * 340e6
+    bert_fp16 = 2 * BERT_PARAMS
     for nodes in (2, 4, 8, 16):
         cluster = Cluster(nodes, 4, parse_rate("4.1gbit") / profile.efficiency, 50e-6)
         (flat, hier) = [r for r in reduction_times(cluster, [bert_fp16], ["average"],
@@ -68,16 +79,18 @@ def checks(profile):
                     "predicted_s": min(flat.seconds, hier.seconds)})
     cluster = Cluster(64, 4, parse_rate("4.1gbit") / profile.efficiency, 50e-6)
     adam, onebit = training_step(cluster, bert_fp16, BERT_COMPUTE_S, ["average", "onebit"],
-                                 profile, hierarchical=[True])
+                                 profile, hierarchical=[True], optimizer_s=BERT_OPTIMIZER_S)
     out.append({"paper": "1-bit Adam, Figure 5a", "what": "compression stage over Adam step",
                 "cluster": "64 nodes x 4, 4.1 Gbit/s effective", "reported": 5.48,
                 "predicted": adam.step_s / onebit.step_s})
     xl = 2.8e9
-    compute = BERT_COMPUTE_S * xl / 340e6
+    compute, optimizer = per_rank_times(xl)
     one = training_step(Cluster(1, 8, parse_rate("100gbit"), 5e-6), 4 * xl, compute,
-                        ["average", "slamb"], profile, hierarchical=[False])
+                        ["average", "slamb"], profile, hierarchical=[False],
+                        optimizer_s=optimizer)
     big = training_step(Cluster(128, 8, parse_rate("100gbit"), 5e-6), 4 * xl, compute,
-                        ["average", "slamb"], profile, hierarchical=[True])
+                        ["average", "slamb"], profile, hierarchical=[True],
+                        optimizer_s=optimizer)
     for (op, name, reported), a, b in zip([("average", "LAMB", 0.53), ("slamb", "SLAMB", 0.905)],
                                           one, big):
         out.append({"paper": "SLAMB, Table 1", "what": f"{name} scaling efficiency, 8 -> 1024 GPUs",
@@ -114,12 +127,41 @@ def plot(report, path):
     print(f"wrote {path}")
 
 
+def markdown(report, shown=(8, 64, 1024)):
+    """Step times at a few node counts, and the paper checks, as docs/scale.md shows them."""
+    lines = []
+    for model in report["models"]:
+        lines += [f"\n**{model}** (predicted step time, ms; best form; H: hierarchical)\n",
+                  "| op | " + " | ".join(f"{rate} {n} nodes" for rate in report["rates"]
+                                         for n in shown) + " |",
+                  "|---|" + "---|" * (len(report["rates"]) * len(shown))]
+        for op in OPS:
+            cells = []
+            for rate in report["rates"]:
+                for n in shown:
+                    (r,) = [r for r in report["rows"] if r["model"] == model
+                            and r["rate"] == rate and r["nodes"] == n and r["op"] == op]
+                    cells.append(f"{r['step_s'] * 1e3:.0f}{' H' if r['hierarchical'] else ''}")
+            lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    lines += ["", "| paper | what | cluster | reported | predicted |", "|---|---|---|---|---|"]
+    for c in report["checks"]:
+        reported = c.get("reported_s", c.get("reported"))
+        predicted = c.get("predicted_s", c.get("predicted"))
+        unit = " s" if "reported_s" in c else ""
+        lines.append(f"| {c['paper']} | {c['what']} | {c['cluster']} | {reported:.3g}{unit} | "
+                     f"{predicted:.3g}{unit} |")
+    return "\n".join(lines)
+
+
 def main():
     p = _spawn.parser(__doc__, "scale_curves.json")
     p.set_defaults(out=os.path.join(_spawn.REPO, "docs", "scale", "curves.json"))
     p.add_argument("--profile", help="calibrated profile (default: the package's)")
     p.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier report")
+    p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's tables")
     args = p.parse_args()
+    if args.markdown:
+        return print(markdown(_spawn.read_report(args.markdown)))
     if args.plot:
         with open(args.plot) as f:
             report = json.load(f)

@@ -62,7 +62,8 @@ class Collectives:
 
     def _chunk_elements(self, buffer: torch.Tensor) -> int:
         """Elements per pipeline chunk (partition.pipeline_chunk_bytes)."""
-        chunk = pipeline_chunk_bytes(buffer.numel() * buffer.element_size(), self._chunk_bytes)
+        chunk = pipeline_chunk_bytes(buffer.numel() * buffer.element_size(), self._chunk_bytes,
+                                     self.topology.size)
         return max(1, chunk // buffer.element_size())
 
     @property

@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model-size", help="trainable parameters, e.g. 340M or 1.3B")
     pl.add_argument("--compute-ms", type=non_negative_float, default=0.0,
                     help="forward + backward time per step on one rank, ms (default 0)")
+    pl.add_argument("--optimizer-ms", type=non_negative_float, default=None,
+                    help="the optimizer step's time on one rank, ms (default: this machine's "
+                         "per-core cost for the model's size, from the profile)")
     pl.add_argument("--nodes", type=positive_int, default=2, help="nodes (default 2)")
     pl.add_argument("--ranks-per-node", type=positive_int, default=1,
                     help="ranks on each node (default 1)")

@@ -197,7 +197,8 @@ def print_plan(o) -> int:
     from horovod_ext import planning
     ops = o.plan_ops.split(",") if o.plan_ops else tuple(planning.OPS)
     try:
-        result = planning.plan(model_size=o.model_size, compute_ms=o.compute_ms, nodes=o.nodes,
+        result = planning.plan(model_size=o.model_size, compute_ms=o.compute_ms,
+                               optimizer_ms=o.optimizer_ms, nodes=o.nodes,
                                ranks_per_node=o.ranks_per_node, link=o.link, latency=o.latency,
                                nodes_per_rack=o.nodes_per_rack,
                                oversubscription=o.oversubscription, ops=ops,

@@ -1,8 +1,12 @@
 """The published figures come from data: every ratio and percentage in docs/results.md's headline
-table is a value (as printed, rounded) of a JSON file that its row names."""
+table is a value (as printed, rounded) of a JSON file that its row names, and docs/scale.md's
+tables are what the scale benchmarks print from the JSON files the page names."""
 import json
 import os
 import re
+import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +75,29 @@ def test_every_headline_figure_is_in_the_data():
     missing = [(number + unit, claim, sources) for number, unit, claim, sources in figures
                if not any(_matches(number, unit, v) for v in _data_values(sources))]
     assert not missing, f"headline figures with no value behind them in their data: {missing}"
+
+
+@pytest.mark.parametrize("script,data", [("scale_validation.py", "docs/scale/validation.json"),
+                                         ("scale_curves.py", "docs/scale/curves.json")])
+def test_the_scale_page_shows_its_data(script, data):
+    with open(os.path.join(DOCS, "scale.md")) as f:
+        page = f.read()
+    assert data in page or data.replace("docs/", "") in page
+    printed = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script),
+                              "--markdown", os.path.join(REPO, data)],
+                             capture_output=True, text=True, check=True, timeout=50).stdout
+    lines = [line for line in printed.splitlines() if line.strip()]
+    assert len(lines) > 10
+    missing = [line for line in lines if line not in page]
+    assert not missing, f"docs/scale.md lacks what {script} prints from {data}: {missing[:3]}"
+
+
+def test_the_scale_validation_meets_its_bar():
+    """At least 30 lab points, the median absolute error at most 15%, as docs/scale.md says."""
+    with open(os.path.join(DOCS, "scale", "validation.json")) as f:
+        report = json.load(f)
+    summary = report["summary"]["all"]
+    assert summary["points"] == len(report["rows"]) >= 30
+    errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in report["rows"]]
+    assert summary["median_abs_error"] == pytest.approx(statistics.median(errors), abs=1e-12)
+    assert summary["median_abs_error"] <= 0.15

@@ -96,6 +96,67 @@ def test_hierarchical_average_pipelines_its_three_stages():
     assert r.sent_per_rank == pytest.approx(s / 2)      # 2 (n - 1) / n of the shard, n = 2
 
 
+@needs_simgrid
+def test_shared_cores_stretch_local_work_not_the_wire():
+    """Two ranks on one shared core: the reduce-scatter's local sum takes twice as long, the
+    transfers and their latency do not change."""
+    prof = profile(reduce=1e-9)
+    s = 4 * MiB
+    own = one(Cluster(2, 1, LINK, LATENCY), s, "average", prof).seconds
+    shared = one(Cluster(2, 1, LINK, LATENCY, shared_cores=1), s, "average", prof).seconds
+    assert shared - own == pytest.approx(1e-9 * s / 2, rel=1e-6)
+    assert Cluster(8, 1, LINK, shared_cores=2).cpu_share == 4
+    assert Cluster(2, 1, LINK, shared_cores=4).cpu_share == 1
+
+
+def test_ops_own_work_is_priced_on_each_ranks_share():
+    """The profile's fit for an op adds call + per_byte * bytes + per_tensor * tensors once per
+    reduction, on the whole buffer flat and on the rank's shard hierarchically."""
+    fit = {"call": 1e-3, "per_byte": 1e-9, "per_tensor": 1e-4}
+    without, with_fit = profile(), profile()
+    with_fit.per_op = {op: fit for op in ("adasum", "onebit", "randomk", "powersgd")}
+    s, layers = 8 * MiB, 16
+
+    def local(schedule):
+        return sum(step.compute_s * step.repeat for stage in schedule.stages for step in stage)
+    for hier, share in ((False, s), (True, s / 2)):
+        cluster = Cluster(2, 2, LINK, LATENCY)
+        for build in (lambda p: S.adasum(cluster, s, p, hier, layers),
+                      lambda p: S.onebit(cluster, s, p, hier, layers),
+                      lambda p: S.randomk(cluster, s, p, hier, 0.01, layers),
+                      lambda p: S.powersgd(cluster, s, p, hier, 4, 512, layers)):
+            added = local(build(with_fit)) - local(build(without))
+            assert added == pytest.approx(1e-3 + 1e-9 * share + 1e-4 * layers, rel=1e-9)
+
+
+def test_fit_of_an_ops_own_work():
+    """Exact points give back their terms; where noise would make a term negative, it is left
+    out (0) and the others fitted without it."""
+    from horovod_ext.planning.calibrate import fit_op_work
+    exact = [(b, t, 2e-3 + 1e-10 * b + 5e-5 * t) for b, t in
+             ((2 * MiB, 8), (8 * MiB, 8), (8 * MiB, 32), (4 * MiB, 64), (32 * MiB, 8))]
+    fit = fit_op_work(exact)
+    assert fit["call"] == pytest.approx(2e-3, rel=1e-6)
+    assert fit["per_byte"] == pytest.approx(1e-10, rel=1e-6)
+    assert fit["per_tensor"] == pytest.approx(5e-5, rel=1e-6)
+    # more tensors, less time: an unconstrained fit gives a negative per-tensor cost
+    noisy = [(2 * MiB, 8, 1.0e-3), (8 * MiB, 8, 2.0e-3), (8 * MiB, 64, 1.8e-3)]
+    fit = fit_op_work(noisy)
+    assert min(fit.values()) >= 0 and fit["per_tensor"] == 0
+    assert fit["per_byte"] > 0
+
+
+def test_hierarchical_chunks_grow_with_the_ranks():
+    """An eighth of the buffer (1 to 16 MiB) on a few nodes; on many, chunks large enough that
+    each cross-node ring step carries MIN_RING_PIECE per rank, up to one chunk for the buffer."""
+    from horovod_ext.partition import MIN_RING_PIECE, pipeline_chunk_bytes
+    assert pipeline_chunk_bytes(32 * MiB, ranks=4) == 4 * MiB
+    assert pipeline_chunk_bytes(32 * MiB, ranks=256) == MIN_RING_PIECE * 256
+    assert pipeline_chunk_bytes(32 * MiB, configured=3 * MiB, ranks=512) == 3 * MiB
+    assert S.pipeline_chunks(Cluster(2, 2, LINK), 32 * MiB) == 8
+    assert S.pipeline_chunks(Cluster(64, 8, LINK), 25 * MiB) == 1
+
+
 def test_adasum_sends_what_a_ring_sends_and_onebit_a_32nd():
     """Recursive halving and doubling move 2 (p - 1) / p of the buffer per rank, as a ring
     does; 1-bit's compressed stage sends one bit per element to each of the two phases."""
@@ -137,6 +198,10 @@ def test_training_step_overlaps_buckets_with_backward():
     end = max(max(0.2 + bucket, 0.3) + bucket, 0.3)
     assert row.step_s == pytest.approx(end, rel=1e-6)
     assert row.comm_s == pytest.approx(2 * bucket, rel=1e-6)
+    # a stated optimizer step follows the last reduction
+    (timed,) = planning.training_step(cluster, model, 0.3, ["average"], prof, opts, [False],
+                                      optimizer_s=0.05)
+    assert timed.step_s == pytest.approx(end + 0.05, rel=1e-6)
 
 
 @needs_simgrid
@@ -163,11 +228,12 @@ def test_hvdrun_plan_prints_the_table(tmp_path):
     path = tmp_path / "profile.json"
     profile(reduce=1e-10).save(str(path))
     proc = subprocess.run([HVDRUN, "--plan", "--model-size", "25M", "--compute-ms", "50",
-                           "--nodes", "4", "--ranks-per-node", "2", "--link", "1gbit",
+                           "--optimizer-ms", "7.5", "--nodes", "4", "--ranks-per-node", "2", "--link", "1gbit",
                            "--plan-profile", str(path)], capture_output=True, text=True,
                           timeout=100, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "4 nodes x 2 ranks, 1 Gbit/s links" in proc.stdout
+    assert "compute 50.0 ms per step per rank, optimizer 7.5 ms" in proc.stdout
     assert "recommended:" in proc.stdout
     assert proc.stdout.count("hierarchical") >= len(planning.OPS)
 
@@ -192,6 +258,8 @@ def test_cluster_rejects_impossible_shapes():
         Cluster(0, 1, LINK)
     with pytest.raises(ValueError, match="oversubscription"):
         Cluster(4, 1, LINK, nodes_per_rack=2, oversubscription=0.5)
+    with pytest.raises(ValueError, match="shared_cores"):
+        Cluster(4, 1, LINK, shared_cores=-1)
     assert planning.parse_rate("25Gbit/s") == 25e9 / 8
     assert planning.parse_time("1.5ms") == 1.5e-3
     assert planning.parse_size("1.3B") == 1.3e9

@@ -39,26 +39,30 @@ def parse_size(text) -> float:
     return value
 
 
-def plan(model_size=None, compute_ms: float = 0.0, nodes: int = 2, ranks_per_node: int = 1,
+def plan(model_size=None, compute_ms: float = 0.0, optimizer_ms: Optional[float] = None,
+         nodes: int = 2, ranks_per_node: int = 1,
          link="10gbit", latency="25us", nodes_per_rack: int = 0, oversubscription: float = 1.0,
          model=None, ops: Sequence[str] = tuple(OPS), profile: Optional[str] = None,
          options: Optional[Options] = None) -> Plan:
     """Predicted step time and bytes per step of each op, flat and hierarchical, for data-parallel
     training of a model (``model_size`` parameters, or a torch ``model`` whose trainable float
     parameters are counted) whose forward and backward take ``compute_ms`` per rank, on
-    ``nodes`` x ``ranks_per_node`` ranks with ``link`` (e.g. "25gbit") between nodes."""
+    ``nodes`` x ``ranks_per_node`` ranks with ``link`` (e.g. "25gbit") between nodes.  The
+    optimizer step takes ``optimizer_ms`` (default: the profile's per-core cost of Adam, or of
+    LAMB for 1-bit LAMB and SLAMB, for the model's size)."""
     if model is not None:
         count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     elif model_size is not None:
         count = parse_size(model_size)
     else:
         raise ValueError("plan needs model_size (a parameter count) or model")
-    if compute_ms < 0:
-        raise ValueError("compute_ms must not be negative")
+    if compute_ms < 0 or (optimizer_ms is not None and optimizer_ms < 0):
+        raise ValueError("compute_ms and optimizer_ms must not be negative")
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise ValueError(f"unknown ops {unknown}: known are {', '.join(OPS)}")
     cluster = Cluster(nodes=int(nodes), ranks_per_node=int(ranks_per_node),
                       link_Bps=parse_rate(link), latency_s=parse_time(latency),
                       nodes_per_rack=int(nodes_per_rack), oversubscription=float(oversubscription))
-    return _plan(cluster, 4.0 * count, compute_ms / 1e3, ops, load_profile(profile), options)
+    return _plan(cluster, 4.0 * count, compute_ms / 1e3, ops, load_profile(profile), options,
+                 None if optimizer_ms is None else optimizer_ms / 1e3)

@@ -2,13 +2,15 @@
 rate of PowerSGD's skinny matrix products, and the control plane's cost per peer.
 
 Each figure is the median of repeated timed blocks on buffers larger than the caches (what a
-gradient buffer is).  ``benchmarks/calibrate.py`` adds what needs several processes (loopback,
+gradient buffer is).  ``fit_op_work`` turns an op's unexplained time on loopback into the
+profile's ``per_op`` entry.  ``benchmarks/calibrate.py`` adds what needs several processes (loopback,
 shared memory, the engine's call cost) and the network lab's links, and writes the profile.
 """
+import itertools
 import socket
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Sequence
 
 import torch
 
@@ -118,3 +120,28 @@ def control_round_per_peer(frame: int = 64) -> float:
     finally:
         left.close()
         right.close()
+
+
+def fit_op_work(points: Sequence[Sequence[float]]) -> Dict[str, float]:
+    """Least-squares fit, with no coefficient below zero, of ``seconds = call + per_byte *
+    bytes + per_tensor * tensors`` to ``points`` of (bytes, tensors, seconds).
+
+    Seconds are what an op took beyond the model's prediction; noise can make a term come out
+    negative, which would predict less than nothing on other sizes, so each subset of the terms
+    is fitted and the best one with no negative coefficient is kept."""
+    import numpy as np
+    x = np.array([[1.0, b, t] for b, t, _ in points])
+    y = np.array([s for _, _, s in points])
+    best, best_error = np.zeros(3), float(np.sum(y ** 2))
+    for used in itertools.chain.from_iterable(itertools.combinations(range(3), k)
+                                              for k in (1, 2, 3)):
+        coef, *_ = np.linalg.lstsq(x[:, used], y, rcond=None)
+        if (coef < 0).any():
+            continue
+        full = np.zeros(3)
+        full[list(used)] = coef
+        error = float(np.sum((x @ full - y) ** 2))
+        if error < best_error:
+            best, best_error = full, error
+    return {"call": float(best[0]), "per_byte": float(best[1]), "per_tensor": float(best[2])}
+

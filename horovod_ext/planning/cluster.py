@@ -52,7 +52,11 @@ class Cluster:
     Racks: ``nodes_per_rack`` hosts share a top-of-rack switch whose uplink carries
     ``nodes_per_rack * link_Bps / oversubscription`` (0: one non-blocking switch).  Ranks of a
     host reach each other over loopback TCP (flat collectives) or shared memory (the in-node
-    steps of the hierarchical ones), at the rates of the profile unless given here."""
+    steps of the hierarchical ones), at the rates of the profile unless given here.
+
+    ``shared_cores``: all ranks of all nodes share this many cores, as on a cluster emulated on
+    one machine (the network lab); local work that every rank does at once then takes
+    ``ranks / shared_cores`` times as long.  0: each rank has a core of its own."""
 
     nodes: int
     ranks_per_node: int
@@ -62,6 +66,7 @@ class Cluster:
     oversubscription: float = 1.0
     loopback_Bps: Optional[float] = None
     loopback_latency_s: Optional[float] = None
+    shared_cores: int = 0
 
     def __post_init__(self):
         if self.nodes < 1 or self.ranks_per_node < 1:
@@ -71,10 +76,17 @@ class Cluster:
             raise ValueError("link rate must be positive and latency not negative")
         if self.nodes_per_rack < 0 or self.oversubscription < 1:
             raise ValueError("nodes_per_rack must be >= 0 and oversubscription >= 1")
+        if self.shared_cores < 0:
+            raise ValueError("shared_cores must be >= 0 (0: a core per rank)")
 
     @property
     def ranks(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def cpu_share(self) -> float:
+        """How many times longer local work takes than on a core of its own."""
+        return max(1.0, self.ranks / self.shared_cores) if self.shared_cores else 1.0
 
     def with_nodes(self, nodes: int) -> "Cluster":
         return replace(self, nodes=nodes)
@@ -85,4 +97,6 @@ class Cluster:
         if self.nodes_per_rack and self.nodes > self.nodes_per_rack:
             text += (f", racks of {self.nodes_per_rack} with {self.oversubscription:g}:1 "
                      f"oversubscribed uplinks")
+        if self.shared_cores:
+            text += f", all ranks on {self.shared_cores} shared cores"
         return text

@@ -48,16 +48,18 @@ def _schedule(op: str, cluster: Cluster, nbytes: float, profile: Profile, hierar
     if op == "onebit":
         return S.onebit(cluster, nbytes, profile, hierarchical, o.layers)
     if op == "randomk":
-        return S.randomk(cluster, nbytes, profile, hierarchical, o.randomk_ratio)
+        return S.randomk(cluster, nbytes, profile, hierarchical, o.randomk_ratio, o.layers)
     if op == "slamb":
-        return S.randomk(cluster, nbytes, profile, hierarchical, o.slamb_ratio)
+        return S.randomk(cluster, nbytes, profile, hierarchical, o.slamb_ratio, o.layers)
     if op == "powersgd":
-        return S.powersgd(cluster, nbytes, profile, hierarchical, o.powersgd_rank, o.hidden)
+        return S.powersgd(cluster, nbytes, profile, hierarchical, o.powersgd_rank, o.hidden,
+                          o.layers)
     raise ValueError(f"unknown op {op!r}: one of {', '.join(OPS)}")
 
 
-def schedule_time(schedule: S.Schedule, times, profile: Profile) -> float:
-    """Seconds of one run of ``schedule`` given the patterns' (latency, per-byte) times."""
+def schedule_time(schedule: S.Schedule, times, profile: Profile, cpu_share: float = 1.0) -> float:
+    """Seconds of one run of ``schedule`` given the patterns' (latency, per-byte) times; local
+    work and message handling take ``cpu_share`` times their one-core cost."""
     stage_times = []
     for stage in schedule.stages:
         total = 0.0
@@ -66,8 +68,8 @@ def schedule_time(schedule: S.Schedule, times, profile: Profile) -> float:
             if step.pattern is not None and step.pattern.flows:
                 latency, per_byte = times[step.pattern]
                 net = latency + per_byte * step.bytes
-            total += step.repeat * (net + step.messages * profile.per_call["message"]
-                                    + step.compute_s)
+            total += step.repeat * (net + cpu_share * (step.messages * profile.per_call["message"]
+                                                       + step.compute_s))
         stage_times.append(total)
     if schedule.chunks > 1:
         busiest = max(stage_times)
@@ -78,8 +80,8 @@ def schedule_time(schedule: S.Schedule, times, profile: Profile) -> float:
 def call_overhead(cluster: Cluster, profile: Profile) -> float:
     """One collective's fixed cost in the engine: the call itself and one negotiation round
     (a star: rank 0 hears from and answers every rank)."""
-    return (profile.per_call["call"] + profile.per_call["control_per_rank"] * cluster.ranks
-            + (2 * cluster.latency_s if cluster.nodes > 1 else 0.0))
+    cpu = profile.per_call["call"] + profile.per_call["control_per_rank"] * cluster.ranks
+    return cluster.cpu_share * cpu + (2 * cluster.latency_s if cluster.nodes > 1 else 0.0)
 
 
 @dataclass
@@ -108,7 +110,8 @@ def reduction_times(cluster: Cluster, nbytes: Sequence[float], ops: Sequence[str
     patterns = [step.pattern for *_, sch in plans for stage in sch.stages for step in stage]
     times = pattern_times(cluster, profile, patterns)
     fixed = call_overhead(cluster, profile)
-    return [Reduction(op, hier, size, schedule_time(sch, times, profile) + fixed,
+    share = cluster.cpu_share
+    return [Reduction(op, hier, size, schedule_time(sch, times, profile, share) + fixed,
                       sch.sent_per_rank) for op, hier, size, sch in plans]
 
 
@@ -138,10 +141,12 @@ def overlap(ready: Sequence[float], durations: Sequence[float]) -> float:
 def training_step(cluster: Cluster, model_bytes: float, compute_s: float,
                   ops: Sequence[str] = tuple(OPS), profile: Optional[Profile] = None,
                   options: Optional[Options] = None,
-                  hierarchical: Sequence[bool] = (False, True)) -> List[StepPrediction]:
+                  hierarchical: Sequence[bool] = (False, True),
+                  optimizer_s: Optional[float] = None) -> List[StepPrediction]:
     """Predicted step time of data-parallel training of a model of ``model_bytes`` of float32
     gradients whose forward and backward take ``compute_s`` per rank (a third forward, two
-    thirds backward), with each op."""
+    thirds backward), with each op, and whose optimizer step takes ``optimizer_s`` (None: the
+    profile's per-core cost of the op's optimizer for the model's size)."""
     profile = profile or load()
     o = options or Options()
     sizes = buckets(model_bytes, o.bucket_bytes)
@@ -159,7 +164,8 @@ def training_step(cluster: Cluster, model_bytes: float, compute_s: float,
         for hier in hierarchical:
             if hier and not S.hierarchy_applies(cluster):
                 continue
-            optimizer = profile.cost(OPTIMIZER.get(op, "optimizer_adam"), model_bytes)
+            optimizer = optimizer_s if optimizer_s is not None else \
+                profile.cost(OPTIMIZER.get(op, "optimizer_adam"), model_bytes)
             if op == "diloco":
                 whole = table[(op, hier, model_bytes)]
                 comm = whole.seconds / DILOCO_H
@@ -183,6 +189,7 @@ class Plan:
     rows: List[StepPrediction]
     recommendation: str
     profile_meta: Dict
+    optimizer_s: Optional[float] = None
 
     def table(self) -> str:
         base = next((r.step_s for r in self.rows if r.op == "average" and not r.hierarchical),
@@ -190,7 +197,9 @@ class Plan:
         lines = [f"cluster: {self.cluster.describe()} ({self.cluster.ranks} ranks)",
                  f"model: {self.model_bytes / 4 / 1e6:.1f} M float32 parameters "
                  f"({self.model_bytes / 2**20:.1f} MiB of gradients), compute "
-                 f"{self.compute_s * 1e3:.1f} ms per step per rank",
+                 f"{self.compute_s * 1e3:.1f} ms per step per rank, optimizer "
+                 + (f"{self.optimizer_s * 1e3:.1f} ms" if self.optimizer_s is not None
+                    else "at the profile's per-core cost"),
                  "",
                  f"{'op':<40} {'form':<13} {'step ms':>10} {'comm ms':>10} "
                  f"{'sent MB/step':>13} {'vs Average':>11}"]
@@ -229,7 +238,9 @@ def recommend(rows: Sequence[StepPrediction], compute_s: float) -> str:
 
 def plan(cluster: Cluster, model_bytes: float, compute_s: float,
          ops: Sequence[str] = tuple(OPS), profile: Optional[Profile] = None,
-         options: Optional[Options] = None) -> Plan:
+         options: Optional[Options] = None, optimizer_s: Optional[float] = None) -> Plan:
     profile = profile or load()
-    rows = training_step(cluster, model_bytes, compute_s, ops, profile, options)
-    return Plan(cluster, model_bytes, compute_s, rows, recommend(rows, compute_s), profile.meta)
+    rows = training_step(cluster, model_bytes, compute_s, ops, profile, options,
+                         optimizer_s=optimizer_s)
+    return Plan(cluster, model_bytes, compute_s, rows, recommend(rows, compute_s), profile.meta,
+                optimizer_s)

@@ -7,7 +7,10 @@ latency), ``call`` (one collective's fixed cost in the engine), ``control_per_ra
 share of one negotiation round per rank).  ``flops_per_s`` times the matrix products of
 PowerSGD.  ``links`` holds what the network lab measured per link rate: the fraction of the
 nominal rate that TCP achieves and the latency; a cluster's stated rate is scaled by that
-``efficiency``.  The file the package ships, ``profile_cpu.json``, says the commit, date and
+``efficiency``.  ``per_op`` holds, for each op that runs its own cross-node step, the local
+work that the primitives above do not account for (fusion copies, per-tensor bookkeeping, mask
+drawing, orthogonalisation), fitted on two loopback ranks as ``call + per_byte * bytes +
+per_tensor * tensors``.  The file the package ships, ``profile_cpu.json``, says the commit, date and
 machine that made it.
 """
 import json
@@ -33,6 +36,7 @@ class Profile:
     loopback_latency_s: float
     efficiency: float = 0.95
     links: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    per_op: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     meta: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -50,18 +54,26 @@ class Profile:
     def flops(self, count: float) -> float:
         return count / self.flops_per_s
 
+    def op_work(self, op: str, nbytes: float, tensors: int) -> float:
+        """Seconds of ``op``'s own local work on ``nbytes`` in ``tensors`` tensors (0 for an op
+        the profile has no fit for)."""
+        fit = self.per_op.get(op)
+        if not fit:
+            return 0.0
+        return fit["call"] + fit["per_byte"] * nbytes + fit["per_tensor"] * tensors
+
     def to_json(self) -> Dict[str, Any]:
         return {"per_byte": self.per_byte, "per_call": self.per_call,
                 "flops_per_s": self.flops_per_s, "loopback_Bps": self.loopback_Bps,
                 "loopback_latency_s": self.loopback_latency_s, "efficiency": self.efficiency,
-                "links": self.links, "meta": self.meta}
+                "links": self.links, "per_op": self.per_op, "meta": self.meta}
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "Profile":
         return cls(**{k: data[k] for k in ("per_byte", "per_call", "flops_per_s", "loopback_Bps",
                                             "loopback_latency_s")},
                    efficiency=data.get("efficiency", 0.95), links=data.get("links", {}),
-                   meta=data.get("meta", {}))
+                   per_op=data.get("per_op", {}), meta=data.get("meta", {}))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

@@ -189,9 +189,15 @@ def in_node_allgather(cluster: Cluster, nbytes: float, profile: Profile) -> Step
                 compute_s=profile.cost("copy", nbytes * (r - 1) / r))
 
 
-def pipeline_chunks(nbytes: float) -> int:
+def pipeline_chunks(cluster: Cluster, nbytes: float) -> int:
     """How many chunks the hierarchical allreduce pipelines (Collectives' chunk size)."""
-    return max(1, math.ceil(nbytes / pipeline_chunk_bytes(int(nbytes))))
+    chunk = pipeline_chunk_bytes(int(nbytes), ranks=cluster.ranks)
+    return max(1, math.ceil(nbytes / chunk))
+
+
+def op_work(op: str, profile: Profile, nbytes: float, tensors: int) -> Step:
+    """The op's local work beyond its primitives (the profile's fit for it)."""
+    return Step(f"{op}'s own work", compute_s=profile.op_work(op, nbytes, tensors))
 
 
 def across_nodes(op: str, cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
@@ -214,7 +220,7 @@ def across_nodes(op: str, cluster: Cluster, nbytes: float, profile: Profile, hie
 def average(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool) -> Schedule:
     p = cluster.ranks
     if hierarchical and hierarchy_applies(cluster):
-        chunks = pipeline_chunks(nbytes)
+        chunks = pipeline_chunks(cluster, nbytes)
         piece = nbytes / chunks
         r = cluster.ranks_per_node
         stages = [[in_node_reduce_scatter(piece, profile)],
@@ -263,6 +269,7 @@ def adasum(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool
             unfold = Pattern("unfold", tuple((g[i], g[i + p], 1.0) for g in groups
                                              for i in range(n - p)))
             steps.append(Step("fold result", unfold, shard, 0.0, 1))
+        steps.append(op_work("adasum", profile, shard, layers))
         # each level sends half of what the one before did, there and back
         return steps, 2 * shard * (1 - 1 / p)
     return across_nodes("adasum", cluster, nbytes, profile, hierarchical, body)
@@ -287,12 +294,13 @@ def onebit(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool
             steps.extend(ring_allgather(groups, piece, "all-gather of server chunks"))
             steps.extend(ring_allgather(groups, scales / n + 4, "all-gather of server scales"))
         steps.append(Step("decompress", compute_s=profile.cost("onebit_decompress", shard)))
+        steps.append(op_work("onebit", profile, shard, layers))
         return steps, 2 * (n - 1) * piece
     return across_nodes("onebit", cluster, nbytes, profile, hierarchical, body)
 
 
 def randomk(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
-            ratio: float) -> Schedule:
+            ratio: float, layers: int) -> Schedule:
     """A fraction ``ratio`` of the elements, chosen by a mask every rank draws alike, gathered
     into one buffer, averaged with one allreduce and scattered back."""
     def body(groups, shard):
@@ -300,13 +308,14 @@ def randomk(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: boo
         selected = shard * ratio
         steps = [Step("gather selected", compute_s=profile.cost("randomk_gather", selected)),
                  *ring_allreduce(groups, selected, profile),
-                 Step("scatter back", compute_s=profile.cost("randomk_scatter", selected))]
+                 Step("scatter back", compute_s=profile.cost("randomk_scatter", selected)),
+                 op_work("randomk", profile, shard, layers)]
         return steps, 2 * (n - 1) / n * selected
     return across_nodes("randomk", cluster, nbytes, profile, hierarchical, body)
 
 
 def powersgd(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bool,
-             rank: int, hidden: int) -> Schedule:
+             rank: int, hidden: int, layers: int) -> Schedule:
     """Rank-``rank`` PowerSGD with its matrices taken as ``hidden`` x ``hidden`` blocks: P = M Q,
     an allreduce of the P factors, orthogonalisation and Q = M^T P, an allreduce of the Q
     factors, M = P Q^T (three products of hidden^2 x rank per block).  Hierarchical: each local
@@ -321,6 +330,7 @@ def powersgd(cluster: Cluster, nbytes: float, profile: Profile, hierarchical: bo
                  Step("orthogonalise P, Q = M^T P",
                       compute_s=product + profile.cost("copy", factor_bytes)),
                  *ring_allreduce(groups, factor_bytes, profile, "allreduce of Q"),
-                 Step("M = P Q^T", compute_s=product)]
+                 Step("M = P Q^T", compute_s=product),
+                 op_work("powersgd", profile, shard, layers)]
         return steps, 2 * 2 * (n - 1) / n * factor_bytes
     return across_nodes("powersgd", cluster, nbytes, profile, hierarchical, body)
