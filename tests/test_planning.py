@@ -169,6 +169,26 @@ def test_adasum_sends_what_a_ring_sends_and_onebit_a_32nd():
         pytest.approx(2 * 7 / 8 * s / 32)
 
 
+@needs_simgrid
+def test_patterns_dealt_among_children_give_what_one_child_gives(monkeypatch):
+    """The patterns of a big cluster are simulated in several children, each with its own
+    platform; the times are the same as from one."""
+    from horovod_ext.planning import simulate
+    cluster = Cluster(4, 2, LINK, LATENCY, nodes_per_rack=2, oversubscription=2)
+    groups = S.world(cluster)
+    patterns = [S.alltoall_pattern(cluster, groups), S.ring_pattern(groups),
+                S.pair_pattern(groups, 1, cluster), S.pair_pattern(groups, 2, cluster)]
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(simulate, "FLOWS_PER_CHILD", 1)
+    dealt = simulate.pattern_times(cluster, profile(), patterns)
+    monkeypatch.setattr(simulate, "FLOWS_PER_CHILD", 10 ** 9)
+    alone = simulate.pattern_times(cluster, profile(), patterns)
+    assert len(simulate._deal(patterns, 3)) == 3
+    assert dealt.keys() == alone.keys() and len(alone) == 4
+    for pattern, (latency, per_byte) in alone.items():   # the clocks start elsewhere: rounding
+        assert dealt[pattern] == pytest.approx((latency, per_byte), rel=1e-9)
+
+
 def test_alltoall_pattern_keeps_each_nics_load():
     """Folded flows carry all pieces: every rank sends n - 1 pieces in all, and what leaves a
     node is what the full exchange sends off it."""

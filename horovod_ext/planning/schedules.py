@@ -115,18 +115,25 @@ def alltoall_pattern(cluster: Cluster, groups: Sequence[Sequence[int]]) -> Patte
         on_node: Dict[int, List[int]] = {}
         for r in members:
             on_node.setdefault(r // per_node, []).append(r)
+        # the group's nodes by rack, once: a pass per node would be quadratic at 1024 nodes
+        by_rack: Dict[int, List[int]] = {}
+        for node in sorted(on_node):
+            by_rack.setdefault(node // rack, []).append(node)
+        in_rack_of = {rk: sum(len(on_node[m]) for m in nodes) for rk, nodes in by_rack.items()}
+        place = {node: i for nodes in by_rack.values() for i, node in enumerate(nodes)}
+        racks = sorted(by_rack)
         for node, here in on_node.items():
             first = node - node % rack
-            rack_nodes = [m for m in range(first, min(first + rack, cluster.nodes)) if m in on_node]
-            in_rack = sum(len(on_node[m]) for m in rack_nodes)
+            rack_nodes = by_rack[node // rack]
+            in_rack = in_rack_of[node // rack]
             peers = []       # (node of the peer, pieces sent to that kind of peer)
             if in_rack > len(here):
-                peers.append((rack_nodes[(rack_nodes.index(node) + 1) % len(rack_nodes)],
+                peers.append((rack_nodes[(place[node] + 1) % len(rack_nodes)],
                               in_rack - len(here)))
             if len(members) > in_rack:
                 far = (first + rack + node % rack) % cluster.nodes   # same place, next rack
-                if far not in on_node:
-                    far = next(m for m in sorted(on_node) if m // rack != node // rack)
+                if far not in on_node:   # the group's lowest node outside this rack
+                    far = by_rack[next(rk for rk in racks if rk != node // rack)][0]
                 peers.append((far, len(members) - in_rack))
             for k, r in enumerate(here):
                 if len(here) > 1:

@@ -9,7 +9,8 @@ per unit of weight, with links of no latency: under this model the sharing of ba
 its time proportional to its size, so any size is read off from that one run, and the
 pattern's longest route latency (known from the cluster) is added to it.
 
-SimGrid keeps one platform per process, so each cluster is simulated in a forked child.  Its
+SimGrid keeps one platform per process, so each cluster is simulated in forked children (the
+patterns dealt among up to one child per core, each on its own copy of the platform).  Its
 Python module comes from Debian's ``python3-simgrid`` (PyPI has only the sources, which need
 cmake and Boost to build); a virtual environment of the same Python finds it there.
 """
@@ -25,6 +26,7 @@ from .profile import Profile
 from .schedules import Pattern
 
 SIZE = 1 << 20                  # bytes per unit of weight in the run of a pattern
+FLOWS_PER_CHILD = 4096          # a child builds the whole platform (about 1 s at 8192 ranks)
 SYSTEM_FOLDERS = ("/usr/lib/python3/dist-packages",)
 
 
@@ -155,6 +157,17 @@ def _child(conn, cluster, profile, patterns):
         conn.close()
 
 
+def _deal(patterns, parts: int):
+    """``patterns`` in ``parts`` groups of about equal flows (the simulation's cost)."""
+    groups = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for pattern in sorted(patterns, key=lambda p: -len(p.flows)):
+        least = loads.index(min(loads))
+        groups[least].append(pattern)
+        loads[least] += len(pattern.flows) + 1
+    return [g for g in groups if g]
+
+
 def pattern_times(cluster: Cluster, profile: Profile, patterns: Iterable[Pattern],
                   timeout: float = 600) -> Dict[Pattern, Tuple[float, float]]:
     """(latency, seconds per byte of weight) of each pattern on ``cluster``: the time of the
@@ -164,21 +177,37 @@ def pattern_times(cluster: Cluster, profile: Profile, patterns: Iterable[Pattern
         return {}
     locate_simgrid()    # a missing engine is reported here, not in the child
     ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(child, cluster, profile, patterns), daemon=True)
-    proc.start()
-    child.close()
+    flows = sum(len(p.flows) for p in patterns)
+    parts = max(1, min(len(patterns), os.cpu_count() or 1, flows // FLOWS_PER_CHILD))
+    children = []
+    try:
+        for group in _deal(patterns, parts):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(child, cluster, profile, group),
+                               daemon=True)
+            proc.start()
+            child.close()
+            children.append((parent, proc))
+        result = {}
+        for parent, proc in children:
+            result.update(_collect(cluster, parent, proc, timeout))
+        return result
+    finally:
+        for _, proc in children:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+
+
+def _collect(cluster: Cluster, parent, proc, timeout: float):
     try:
         if not parent.poll(timeout):
             raise TimeoutError(f"simulating {cluster.describe()} took over {timeout:.0f} s")
         status, value = parent.recv()
     except EOFError:
+        proc.join()
         raise RuntimeError(f"the simulation of {cluster.describe()} died (exit code "
                            f"{proc.exitcode})") from None
-    finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join()
     if status != "ok":
         raise RuntimeError(f"simulating {cluster.describe()}: {value}")
     return value
