@@ -76,6 +76,8 @@ WORKLOADS = {  # name: default steps, global batch, target, Adam's lr, quality, 
 FORTUNES = "/usr/share/games/fortunes"
 LAMB_METHODS = ("onebit_lamb", "slamb")
 SLAMB_INTERVAL = 50
+PLAIN_START_FRACTION = 0.1   # plain steps before PowerSGD and local SGD start
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 
 
 # --- data and models -------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def build(method, net, args, total, seed, per_node):
     from torch.nn.parallel import DistributedDataParallel
     import horovod_ext.torch as hvd
 
-    start = max(1, round(0.1 * total))
+    start = max(1, round(PLAIN_START_FRACTION * total))
     named = list(net.named_parameters())
     adam = lambda: torch.optim.Adam(net.parameters(), lr=args.adam_lr, eps=args.adam_eps)  # noqa: E731
     lamb = dict(lr=args.lamb_lr, eps=args.lamb_eps, min_coeff=0.01, max_coeff=10.0)
@@ -574,7 +576,7 @@ def main():
     p.add_argument("--warmup-fraction", type=float, default=0.15,
                    help="1-bit optimizers' warm-up share of the steps")
     p.add_argument("--lm-held-out", type=int, default=256, help="held-out windows (lm)")
-    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--data-dir", default=FASHION_MNIST)
     p.add_argument("--timeout", type=float, default=5400, help="seconds per setting")
     p.add_argument("--count-nic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier report")

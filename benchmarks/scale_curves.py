@@ -33,13 +33,13 @@ MODELS = {"BERT-Large (340 M)": 340e6, "1.3 B": 1.3e9}
 BERT_COMPUTE_S = 0.036 + 0.061
 BERT_OPTIMIZER_S = 0.075
 BERT_PARAMS = 340e6
+OPS = ["average", "adasum", "onebit", "slamb", "powersgd", "diloco"]
 
 
 def per_rank_times(params):
     """(forward + backward, optimizer) seconds of a BERT-like model of ``params`` parameters."""
     scale = params / BERT_PARAMS
     return BERT_COMPUTE_S * scale, BERT_OPTIMIZER_S * scale
-OPS = ["average", "adasum", "onebit", "slamb", "powersgd", "diloco"]
 
 
 def curves(profile):

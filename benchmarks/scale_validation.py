@@ -52,18 +52,19 @@ OPS = ["average", "adasum", "onebit", "randomk", "powersgd"]
 RATES = ["100mbit", "1gbit"]
 
 
-def predict(hosts, per_host, rate, op, hierarchical, shapes, profile, cores):
+def lab_cluster(hosts, per_host, rate, profile, cores):
+    """The lab as the model describes it: the nominal rate, the profile's latency for it, all
+    ranks on the machine's ``cores``."""
     from horovod_ext.planning import Cluster, parse_rate
-    link = profile.links.get(rate, {})
-    cluster = Cluster(hosts, per_host, parse_rate(rate), latency_s=link.get("latency_s", 50e-6),
-                      shared_cores=cores)
-    return calibrate.predict_op(cluster, op, hierarchical, shapes, profile)
+    latency = profile.links.get(rate, {}).get("latency_s", 50e-6)
+    return Cluster(hosts, per_host, parse_rate(rate), latency_s=latency, shared_cores=cores)
 
 
 def show(row, profile, cores):
     """Adds the prediction to ``row`` and prints the row."""
-    row["predicted_s"] = predict(row["hosts"], row["ranks_per_host"], row["rate"], row["op"],
-                                 row["hierarchical"], row["shapes"], profile, cores)
+    cluster = lab_cluster(row["hosts"], row["ranks_per_host"], row["rate"], profile, cores)
+    row["predicted_s"] = calibrate.predict_op(cluster, row["op"], row["hierarchical"],
+                                              row["shapes"], profile)
     row["error"] = row["predicted_s"] / row["measured_s"] - 1
     print(f"{row['rate']:>8} {row['hosts']}x{row['ranks_per_host']} {row['op']:<9} "
           f"{row['shapes']:<12} {'hier' if row['hierarchical'] else 'flat'}  measured "
@@ -90,15 +91,16 @@ def predict_all(rows, profile, cores):
     return summary
 
 
-def compute_seconds(name, global_batch, ranks=2, steps=10, blocks=5):
-    """Forward, backward and batch of one rank's share of a head-to-head workload's step, one
-    thread: the median over ``blocks`` of ``steps`` steps."""
+def compute_seconds(head, report, ranks=2, steps=10, blocks=5):
+    """Forward, backward and batch of one rank's share of a step of the head-to-head run in
+    ``report`` (``head``: the head_to_head module), one thread: the median over ``blocks`` of
+    ``steps`` steps."""
     import types
     import torch
-    head = _spawn.sibling("head_to_head")
     torch.set_num_threads(1)
-    work = head.Workload(name, types.SimpleNamespace(
-        data_dir="/usr/share/datasets/fashion-mnist", lm_held_out=256))
+    work = head.Workload(report["workload"], types.SimpleNamespace(
+        data_dir=head.FASHION_MNIST, lm_held_out=report["options"]["lm_held_out"]))
+    global_batch = report["global_batch"]
     model = work.make_model()
     per_rank = global_batch // ranks
     order = torch.randperm(work.samples, generator=torch.Generator().manual_seed(0))
@@ -133,8 +135,9 @@ def powersgd_hidden(model):
     return max(1, round(2 * elements / max(1, sides)))
 
 
-def predicted_steps(cluster, model, compute_s, profile):
-    """Seconds per step of each head-to-head method of ours, as the model prices it."""
+def predicted_steps(cluster, model, compute_s, profile, head, warmup_fraction):
+    """Seconds per step of each head-to-head method of ours, as the model prices it (``head``:
+    the head_to_head module, whose settings the methods ran with)."""
     from horovod_ext.planning import Options, reduction_times, training_step
     nbytes = 4 * sum(p.numel() for p in model.parameters())
     tensors = sum(1 for _ in model.parameters())
@@ -145,18 +148,18 @@ def predicted_steps(cluster, model, compute_s, profile):
     (whole,) = reduction_times(cluster, [nbytes], ["average"], [False], profile, options)
     lamb_instead_of_adam = profile.cost("optimizer_lamb", nbytes) - \
         profile.cost("optimizer_adam", nbytes)
+    plain, warm = head.PLAIN_START_FRACTION, warmup_fraction
     return {"average": step["average"], "adasum": step["adasum"],
             "diloco_h50": step["diloco"],
-            "powersgd_r4": 0.1 * step["average"] + 0.9 * step["powersgd"],
-            "onebit_lamb": 0.15 * (step["average"] + lamb_instead_of_adam)
-            + 0.85 * step["onebit"],
-            "slamb": step["slamb"] + whole.seconds / 50}
+            "powersgd_r4": plain * step["average"] + (1 - plain) * step["powersgd"],
+            "onebit_lamb": warm * (step["average"] + lamb_instead_of_adam)
+            + (1 - warm) * step["onebit"],
+            "slamb": step["slamb"] + whole.seconds / head.SLAMB_INTERVAL}
 
 
 def training_steps(profile, cores):
     """Measured steps at 2 hosts x 1 (docs/scale/steps_<workload>.json, from head_to_head.py on
     this machine) against the model's."""
-    from horovod_ext.planning import Cluster, parse_rate
     head = _spawn.sibling("head_to_head")
     rows = []
     for workload in ("cnn", "lm"):
@@ -164,14 +167,13 @@ def training_steps(profile, cores):
                                                  f"steps_{workload}.json"))
         batch = report["global_batch"]
         per_rep = head.summary(report)
-        compute_s, model = compute_seconds(workload, batch)
+        compute_s, model = compute_seconds(head, report)
         print(f"{workload}: compute {compute_s * 1e3:.1f} ms per step per rank (steps measured "
               f"at commit {report['commit']})", flush=True)
         for rate in RATES:
-            link = profile.links.get(rate, {})
-            cluster = Cluster(2, 1, parse_rate(rate), latency_s=link.get("latency_s", 50e-6),
-                              shared_cores=cores)
-            predicted = predicted_steps(cluster, model, compute_s, profile)
+            predicted = predicted_steps(lab_cluster(2, 1, rate, profile, cores), model,
+                                        compute_s, profile, head,
+                                        report["options"]["warmup_fraction"])
             for method, seconds in predicted.items():
                 reps = [batch / v for v in per_rep[f"lab-{rate}-2x1"][method]["samples_per_s"]]
                 measured = statistics.median(reps)

@@ -116,12 +116,12 @@ def init(comm=None):
         _setup_logging(config, world.rank)
         topology = Topology.build(world, bootstrap.hostname())
         state.config, state.topology = config, topology
-        state.clock_zero_ns = _clock_zero(world)
-        # Before the engine runs: a faster rank's first submission reaches this rank's
-        # negotiation as soon as the engine's loop starts, and belongs in the timeline.
-        if config.timeline and config.timeline.upper() != "DYNAMIC":
-            _start_timeline(config.timeline, config.timeline_mark_cycles)
         try:
+            state.clock_zero_ns = _clock_zero(world)
+            # Before the engine runs: a faster rank's first submission reaches this rank's
+            # negotiation as soon as the engine's loop starts, and belongs in the timeline.
+            if config.timeline and config.timeline.upper() != "DYNAMIC":
+                _start_timeline(config.timeline, config.timeline_mark_cycles)
             control, comms, engine = _start_engine(topology, transport, config)
         except BaseException:
             timeline.stop()

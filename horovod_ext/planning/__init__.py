@@ -39,11 +39,10 @@ def parse_size(text) -> float:
     return value
 
 
-def plan(model_size=None, compute_ms: float = 0.0, optimizer_ms: Optional[float] = None,
-         nodes: int = 2, ranks_per_node: int = 1,
+def plan(model_size=None, compute_ms: float = 0.0, nodes: int = 2, ranks_per_node: int = 1,
          link="10gbit", latency="25us", nodes_per_rack: int = 0, oversubscription: float = 1.0,
          model=None, ops: Sequence[str] = tuple(OPS), profile: Optional[str] = None,
-         options: Optional[Options] = None) -> Plan:
+         options: Optional[Options] = None, optimizer_ms: Optional[float] = None) -> Plan:
     """Predicted step time and bytes per step of each op, flat and hierarchical, for data-parallel
     training of a model (``model_size`` parameters, or a torch ``model`` whose trainable float
     parameters are counted) whose forward and backward take ``compute_ms`` per rank, on

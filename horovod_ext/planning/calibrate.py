@@ -3,14 +3,15 @@ rate of PowerSGD's skinny matrix products, and the control plane's cost per peer
 
 Each figure is the median of repeated timed blocks on buffers larger than the caches (what a
 gradient buffer is).  ``fit_op_work`` turns an op's unexplained time on loopback into the
-profile's ``per_op`` entry.  ``benchmarks/calibrate.py`` adds what needs several processes (loopback,
-shared memory, the engine's call cost) and the network lab's links, and writes the profile.
+profile's ``per_op`` entry.  ``benchmarks/calibrate.py`` adds what needs several processes
+(loopback, shared memory, the engine's call cost) and the network lab's links, and writes the
+profile.
 """
 import itertools
 import socket
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, Sequence
 
 import torch
 
@@ -144,4 +145,3 @@ def fit_op_work(points: Sequence[Sequence[float]]) -> Dict[str, float]:
         if error < best_error:
             best, best_error = full, error
     return {"call": float(best[0]), "per_byte": float(best[1]), "per_tensor": float(best[2])}
-

@@ -9,9 +9,9 @@ PowerSGD.  ``links`` holds what the network lab measured per link rate: the frac
 nominal rate that TCP achieves and the latency; a cluster's stated rate is scaled by that
 ``efficiency``.  ``per_op`` holds, for each op that runs its own cross-node step, the local
 work that the primitives above do not account for (fusion copies, per-tensor bookkeeping, mask
-drawing, orthogonalisation), fitted on two loopback ranks as ``call + per_byte * bytes +
-per_tensor * tensors``.  The file the package ships, ``profile_cpu.json``, says the commit, date and
-machine that made it.
+drawing, orthogonalisation), fitted on two loopback ranks posing as two hosts as ``call +
+per_byte * bytes + per_tensor * tensors``.  The file the package ships, ``profile_cpu.json``,
+says the commit, date and machine that made it.
 """
 import json
 import os

@@ -19,6 +19,7 @@ import importlib.util
 import multiprocessing
 import os
 import sys
+import time
 from typing import Dict, Iterable, Tuple
 
 from .cluster import Cluster
@@ -188,9 +189,9 @@ def pattern_times(cluster: Cluster, profile: Profile, patterns: Iterable[Pattern
             proc.start()
             child.close()
             children.append((parent, proc))
-        result = {}
-        for parent, proc in children:
-            result.update(_collect(cluster, parent, proc, timeout))
+        result, deadline = {}, time.monotonic() + timeout
+        for parent, proc in children:   # one deadline for them all: they run side by side
+            result.update(_collect(cluster, parent, proc, deadline, timeout))
         return result
     finally:
         for _, proc in children:
@@ -199,9 +200,9 @@ def pattern_times(cluster: Cluster, profile: Profile, patterns: Iterable[Pattern
             proc.join()
 
 
-def _collect(cluster: Cluster, parent, proc, timeout: float):
+def _collect(cluster: Cluster, parent, proc, deadline: float, timeout: float):
     try:
-        if not parent.poll(timeout):
+        if not parent.poll(max(0.0, deadline - time.monotonic())):
             raise TimeoutError(f"simulating {cluster.describe()} took over {timeout:.0f} s")
         status, value = parent.recv()
     except EOFError:
