@@ -7,9 +7,7 @@ setup(
     description="Horovod-compatible distributed training for PyTorch with Adasum, 1-bit and sparse ops",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["horovod_ext", "horovod_ext.*", "adasum", "adasum.*",
-                                    "onebit", "onebit.*", "slamb", "slamb.*", "powersgd",
-                                    "powersgd.*", "launch", "launch.*"]),
+    packages=find_packages(include=["horovod_ext", "horovod_ext.*"]),
     python_requires=">=3.9",
     # Pinned so that `pip install torch==2.13.0` (the local CPU wheel) satisfies it and pip never
     # pulls a CUDA build onto a CPU machine.
@@ -20,8 +18,8 @@ setup(
         # The tests cover the Ray integration (a real local cluster), horovod_ext.run from a
         # real Jupyter kernel and a library that reaches Horovod through its module names
         # (pytorch-ignite's horovod backend, over compat/), so the test extra brings them.
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "scikit-learn", "ray[train]>=2.9",
-                 "ipykernel", "jupyter_client", "pytorch-ignite"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "import-linter>=2", "scikit-learn",
+                 "ray[train]>=2.9", "ipykernel", "jupyter_client", "pytorch-ignite"],
         "ray": ["ray[train]>=2.9"],
         "autotune": ["scikit-learn"],
         "examples": ["scikit-learn", "matplotlib"],
@@ -31,9 +29,12 @@ setup(
     # -fno-math-errno: sqrt without errno checks (vectorisable); IEEE results are unchanged.
     ext_modules=[Extension(module, [source], optional=True,
                            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"])
-                 for module, source in (("adasum._kernels", "adasum/_kernels.c"),
-                                        ("onebit._kernels", "onebit/_kernels.c"),
-                                        ("horovod_ext.backends._lamb_kernels",
-                                         "horovod_ext/backends/_lamb_kernels.c"))],
-    entry_points={"console_scripts": ["hvdrun = launch.run:main"]},
+                 for module, source in (
+                     ("horovod_ext.algorithms.adasum._kernels",
+                      "horovod_ext/algorithms/adasum/_kernels.c"),
+                     ("horovod_ext.algorithms.onebit._kernels",
+                      "horovod_ext/algorithms/onebit/_kernels.c"),
+                     ("horovod_ext.algorithms._lamb_kernels",
+                      "horovod_ext/algorithms/_lamb_kernels.c"))],
+    entry_points={"console_scripts": ["hvdrun = horovod_ext.launch.run:main"]},
 )

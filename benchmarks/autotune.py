@@ -35,8 +35,7 @@ HAND_PICKED = {
 def worker(args):
     import torch
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
-
+    from horovod_ext.engine import runtime
     hvd.init()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
     gen = torch.Generator().manual_seed(hvd.rank())

@@ -80,7 +80,7 @@ def worker(args):
 def pack_speed(sizes, reps=7):
     """compress + decompress of float32 input on one thread, GB/s of input."""
     import torch
-    from onebit import compress, decompress
+    from horovod_ext.algorithms.onebit import compress, decompress
     torch.set_num_threads(1)
     rows = []
     for size in sizes:

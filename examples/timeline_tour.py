@@ -1,11 +1,11 @@
 """A few training steps of a small MLP with each kind of op, to look at on the timeline.
 
     .venv/bin/hvdrun -np 2 --timeline-filename /tmp/tour.json .venv/bin/python examples/timeline_tour.py
-    .venv/bin/python -m horovod_ext.timeline_plot /tmp/tour.json /tmp/tour.png --zoom ADASUM
+    .venv/bin/python -m horovod_ext.engine.timeline_plot /tmp/tour.json /tmp/tour.png --zoom ADASUM
 
 Steps with Average (gradient buckets), Adasum, 1-bit (hvd.OneBit) and random-k
 (hvd.RandomK(0.1)); open the trace in Perfetto (ui.perfetto.dev) or chrome://tracing, or draw it
-with horovod_ext.timeline_plot.
+with horovod_ext.engine.timeline_plot.
 """
 import argparse
 

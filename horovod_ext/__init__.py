@@ -10,12 +10,12 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     if name == "run":
-        from launch.api import run
+        from horovod_ext.launch.api import run
         return run
     if name == "plan":
         from .planning import plan
         return plan
     if name == "RunError":
-        from launch.api import RunError
+        from horovod_ext.launch.api import RunError
         return RunError
     raise AttributeError(f"module 'horovod_ext' has no attribute {name!r}")

@@ -8,6 +8,12 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 
+# The elastic driver's count of host changes, in its store: a worker compares it with its
+# generation's.  Here, in a module without torch, because the launcher (which never imports
+# torch) and the workers' bootstrap share it.
+ELASTIC_UPDATES_KEY = "horovod_ext/elastic/hosts_updates"
+
+
 class ConfigError(ValueError):
     """An environment variable holds a value horovod_ext cannot use."""
 

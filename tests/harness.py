@@ -36,7 +36,7 @@ class RanksFailed(AssertionError):
 
 
 def free_port() -> int:
-    from launch.netinfo import free_port as below_ephemeral
+    from horovod_ext.launch.netinfo import free_port as below_ephemeral
     return below_ephemeral("127.0.0.1")
 
 

@@ -58,8 +58,8 @@ def _rvh_every_count():
     the world; returns what each rank computed, for the test process to compare."""
     import horovod_ext.torch as hvd
     from horovod_ext.backends import context
-    import adasum.rvh as rvh_module
-    from adasum import adasum_allreduce_
+    import horovod_ext.algorithms.adasum.rvh as rvh_module
+    from horovod_ext.algorithms.adasum import adasum_allreduce_
     from tests.test_adasum import layers_for
     r, n = hvd.rank(), hvd.size()
     out = {}
@@ -163,8 +163,8 @@ def test_adasum_every_process_count(backend):
 def test_c_kernels_match_torch_code():
     """The C kernels (float32/float64 on the CPU) and the torch code agree, on many layers with
     small ones grouped and big ones chunked, zero layers included; CI builds the kernels."""
-    from adasum import operator
-    from adasum.operator import LayerMap, adasum_pair_, partial_dots
+    from horovod_ext.algorithms.adasum import operator
+    from horovod_ext.algorithms.adasum.operator import LayerMap, adasum_pair_, partial_dots
     assert operator._LIB is not None, "adasum C kernels not built (no C compiler at install?)"
     sizes = [3, 5000, 1, 0, 70000, 2, 300, 131073]
     bounds, off = [], 0
@@ -199,7 +199,7 @@ def test_c_kernels_match_torch_code():
 def test_float32_dots_hold_float64_precision_at_extreme_magnitudes():
     """Values whose float32 squares overflow (1e25) or underflow (1e-25): the dot products are
     float64's, so identical inputs still give the input and orthogonal ones their sum."""
-    from adasum.operator import LayerMap, adasum_pair_, partial_dots
+    from horovod_ext.algorithms.adasum.operator import LayerMap, adasum_pair_, partial_dots
     g = torch.Generator().manual_seed(5)
     n = 4096
     layers = LayerMap([(0, n), (n, n)])

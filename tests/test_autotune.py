@@ -19,7 +19,7 @@ STEPS = 30
 
 def body_train():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(),
                                 torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -123,7 +123,7 @@ def test_hierarchy_is_tuned_where_there_are_nodes():
 def test_bayesian_search_finds_the_best_region_of_a_known_surface():
     """A score surface like a real one (short cycles, fusion and buckets on, cache on help),
     searched with the default budget: the best setting found scores within 5% of the optimum."""
-    from horovod_ext.autotune import BayesianProposer, Setting, Space
+    from horovod_ext.engine.autotune import BayesianProposer, Setting, Space
 
     def score(s: Setting) -> float:
         cycle_cost = 0.002 * s.cycle_time_ms            # waits per step
@@ -144,7 +144,7 @@ def test_bayesian_search_finds_the_best_region_of_a_known_surface():
 
 
 def test_settings_travel_as_tensors_and_points():
-    from horovod_ext.autotune import Setting, Space
+    from horovod_ext.engine.autotune import Setting, Space
     s = Setting(1 << 20, 2.5, 1 << 22, False, True, False)
     assert Setting.from_tensor(s.to_tensor(True)) == (s, True)
     space = Space(True, s)

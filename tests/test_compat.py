@@ -112,7 +112,7 @@ def test_horovodrun_and_check_build_say_what_runs(installed):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "horovod_ext" in out.stdout and "not Horovod itself" in out.stdout, out.stdout
-    out = subprocess.run([sys.executable, "-m", "launch.run", "--check-build"],
+    out = subprocess.run([sys.executable, "-m", "horovod_ext.launch.run", "--check-build"],
                          env=_env(installed), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "import horovod: horovod_ext under Horovod's names (horovod-ext-compat 0.28.1+" \
@@ -241,7 +241,7 @@ def test_uninstalling_leaves_horovod_ext(tmp_path, wheel, venv_template):
     out = _pip("uninstall", "-y", "horovod-ext-compat", python=python)
     assert out.returncode == 0, out.stdout + out.stderr
     assert not os.path.exists(venv / "bin" / "horovodrun")
-    check = subprocess.run([python, "-c", "import horovod_ext, launch.run; import horovod"],
+    check = subprocess.run([python, "-c", "import horovod_ext, horovod_ext.launch.run; import horovod"],
                            capture_output=True, text=True, timeout=60,
                            env=dict(os.environ, PYTHONPATH=REPO))
     assert "No module named 'horovod'" in check.stderr, check.stderr

@@ -6,7 +6,7 @@ from tests.harness import BACKENDS, run_ranks
 
 
 def body_control_allgather():
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     from horovod_ext.backends.control import ControlChannel
     world = runtime.topology().world
     if runtime.state.transport == "mpi":

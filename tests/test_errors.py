@@ -81,7 +81,7 @@ def body_peer_lost(how, lane=False):
     import os
     import signal
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     steady = torch.ones(1)
     for _ in range(3 if lane else 1):
         hvd.allreduce_(steady, name="warmup")
@@ -127,7 +127,7 @@ def body_data_call_hangs(prepared):
     """Rank 0 enters an MPI allreduce that rank 1 never joins (straight on the communicator,
     past the engine's negotiation, which would otherwise catch the missing rank first)."""
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     world = runtime.state.comms.world
     if hvd.rank() == 0:
         t = torch.ones(4)

@@ -29,7 +29,7 @@ def _expected(size, step, n, dtype, op):
 
 def body_lane():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     engine = runtime.engine()
     rank, size = hvd.rank(), hvd.size()
     ops = {"sum": dict(op=hvd.Sum), "max": dict(op=hvd.Max), "average": {},

@@ -9,7 +9,7 @@ from tests.test_collectives import check, reference, sample
 
 def body_hierarchical():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     r, n = hvd.rank(), hvd.size()
     comms = runtime.state.comms
     for i, dtype in enumerate((torch.float32, torch.float64, torch.int64, torch.float16)):
@@ -73,7 +73,7 @@ def test_user_op_supplies_the_cross_node_step():
 
 def body_fusion_and_cache(steps):
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     r, n = hvd.rank(), hvd.size()
     engine = runtime.engine()
     shapes = [(4,), (3, 3), (100,), (2,)]

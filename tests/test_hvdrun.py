@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from launch import mpi as mpilib
-from launch import netinfo, options
+from horovod_ext.launch import mpi as mpilib
+from horovod_ext.launch import netinfo, options
 from tests.harness import REPO
 
-HVDRUN = [sys.executable, "-m", "launch.run"]
+HVDRUN = [sys.executable, "-m", "horovod_ext.launch.run"]
 
 RANK_TOOL = r'''
 import json, os, signal, sys, time
@@ -135,7 +135,7 @@ def _wait_for(predicate, timeout, what):
 # --- command line ---------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_bad_values_exit_2_with_a_message(tmp_path, capsys):
-    from launch.run import main
+    from horovod_ext.launch.run import main
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=2\nb slots=two\n")
     cases = [(["-np", "0", "x"], "-np/--num-proc: expected a positive integer"),
@@ -169,7 +169,8 @@ def test_bad_values_exit_2_with_a_message(tmp_path, capsys):
                          env=_env())
     assert out.returncode == 0 and out.stdout.startswith("hvdrun (horovod_ext) ")
     # hvdrun starts fast: torch is imported by the ranks (and --check-build), never by hvdrun
-    probe = ("import sys, launch.run; launch.run.options.parse(['-np', '2', 'x']); "
+    probe = ("import sys, horovod_ext.launch.run, horovod_ext.launch.elastic, "
+             "horovod_ext.launch.api; horovod_ext.launch.run.options.parse(['-np', '2', 'x']); "
              "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=30, env=_env(), cwd=REPO)

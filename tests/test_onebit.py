@@ -187,7 +187,7 @@ def _groups_body():
     """Per group size: compressed allreduce cases, OnebitAdam, OnebitLamb on split groups."""
     from horovod_ext.backends import context
     from horovod_ext.backends.topology import Topology
-    from onebit import ErrorFeedback, OnebitAdam, OnebitLamb, compressed_allreduce_
+    from horovod_ext.algorithms.onebit import ErrorFeedback, OnebitAdam, OnebitLamb, compressed_allreduce_
 
     def run(topology):
         r = topology.rank
@@ -246,7 +246,7 @@ def _world_body(tmpdir):
     """The public API on the world: hvd.OneBit (named, grouped, from DistributedOptimizer),
     optimizers through the context, resume, warm-up with bias correction."""
     import horovod_ext.torch as hvd
-    from onebit import OnebitAdam, OnebitLamb
+    from horovod_ext.algorithms.onebit import OnebitAdam, OnebitLamb
     r = hvd.rank()
     out = {"single": [], "grouped": []}
     for call in range(CALLS):
@@ -290,7 +290,7 @@ def _body(tmpdir):
 
 def _hier_body():
     import horovod_ext.torch as hvd
-    from onebit import OnebitAdam
+    from horovod_ext.algorithms.onebit import OnebitAdam
     r = hvd.rank()
     outs = [hvd.allreduce(data(r, call, 203, torch.float32, seed=4), op=hvd.OneBit, name="h")
             for call in range(CALLS)]
@@ -439,8 +439,8 @@ def test_hierarchical_two_nodes():
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 def test_pack_unpack_against_bits(dtype):
-    from onebit import compress, decompress, pack_signs, unpack_signs
-    from onebit.compression import BLOCK
+    from horovod_ext.algorithms.onebit import compress, decompress, pack_signs, unpack_signs
+    from horovod_ext.algorithms.onebit.compression import BLOCK
     # several cache blocks, segments crossing block boundaries and starting mid-byte
     for n in (1, 7, 8, 9, 64, 1001, 2 * BLOCK + 13):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
@@ -473,7 +473,7 @@ def test_pack_unpack_against_bits(dtype):
 def test_c_kernels_match_torch_code(dtype):
     """The C kernels (what CPUs run) against the torch code (what GPUs and builds without a
     compiler run): every value and sign bit equal, the scales within one rounding."""
-    from onebit import compression as C
+    from horovod_ext.algorithms.onebit import compression as C
     assert C._LIB is not None, "onebit C kernels not built (no C compiler at install?)"
     sdtype = C.scale_dtype(dtype)
 
@@ -519,7 +519,7 @@ def test_c_kernels_match_torch_code(dtype):
 
 @pytest.mark.timeout(30)
 def test_bytes_and_error_compensation_single_process():
-    from onebit import ErrorFeedback, compressed_allreduce_, compressed_bytes
+    from horovod_ext.algorithms.onebit import ErrorFeedback, compressed_allreduce_, compressed_bytes
     for n in (2, 3, 4, 8):
         for numel in (1 << 18, 1 << 22):   # 1 MiB and 16 MiB of float32
             ring = 2 * (n - 1) / n * 4 * numel
@@ -555,7 +555,7 @@ def test_bytes_and_error_compensation_single_process():
 
 
 def test_optimizer_arguments():
-    from onebit import OnebitAdam, OnebitLamb
+    from horovod_ext.algorithms.onebit import OnebitAdam, OnebitLamb
     p = [torch.nn.Parameter(torch.ones(3))]
     with pytest.raises(ValueError, match="freeze_step"):
         OnebitAdam(p, freeze_step=0)

@@ -117,7 +117,7 @@ def test_one_process_reduces_nothing_and_matches(backend):
 
 def body_alone():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     body_cases()
     model, opt = make("sgd")
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),

@@ -149,7 +149,7 @@ def test_fit_of_an_ops_own_work():
 def test_hierarchical_chunks_grow_with_the_ranks():
     """An eighth of the buffer (1 to 16 MiB) on a few nodes; on many, chunks large enough that
     each cross-node ring step carries MIN_RING_PIECE per rank, up to one chunk for the buffer."""
-    from horovod_ext.partition import MIN_RING_PIECE, pipeline_chunk_bytes
+    from horovod_ext.backends.partition import MIN_RING_PIECE, pipeline_chunk_bytes
     assert pipeline_chunk_bytes(32 * MiB, ranks=4) == 4 * MiB
     assert pipeline_chunk_bytes(32 * MiB, ranks=256) == MIN_RING_PIECE * 256
     assert pipeline_chunk_bytes(32 * MiB, configured=3 * MiB, ranks=512) == 3 * MiB

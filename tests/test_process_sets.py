@@ -172,7 +172,7 @@ def adasum_pair(a, b):
 
 def body_ops_inside_sets():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     r = hvd.rank()
     # 5 ranks on hosts a a b b c: the set [0..3] spans two nodes of two ranks each
     quad = hvd.add_process_set([0, 1, 2, 3])

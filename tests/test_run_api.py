@@ -11,7 +11,7 @@ import time
 import pytest
 
 import horovod_ext
-from launch import api
+from horovod_ext.launch import api
 from tests.harness import REPO
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ def sample(rank, n, dtype, seed):
 
 def body_in_node_reductions():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     from horovod_ext.backends.base import ReduceOp
     comms = runtime.state.comms
     group = comms.topology.in_node(torch.zeros(1))
@@ -61,7 +61,7 @@ def test_in_node_allreduce_matches_reference(backend):
 
 def body_hierarchical(expect_shared: bool):
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     r, n = hvd.rank(), hvd.size()
     for step, numel in enumerate((10, 4097, 2_000_000)):
         x = sample(r, numel, torch.float64, step)
@@ -101,7 +101,7 @@ def test_hierarchical_allreduce_2x2(backend, shared, chunk):
 
 def body_single_host(expect_shared: bool):
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     r, n = hvd.rank(), hvd.size()
     comms = runtime.state.comms
     large = comms.world.shared_memory_from_bytes // 4 + 1001     # float32 elements
@@ -135,7 +135,7 @@ def test_single_host_allreduce_through_shared_memory(backend, shared):
 
 def body_local_rank_dies():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     from horovod_ext.backends.base import CommunicationError
     group = runtime.state.comms.topology.in_node(torch.zeros(1))
     group.allreduce(torch.ones(8))                 # the segment exists on both ranks
@@ -160,7 +160,7 @@ def test_a_local_rank_that_dies_is_named_at_once():
 
 def body_killed_mid_job():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     group = runtime.state.comms.topology.in_node(torch.zeros(1))
     group.allreduce(torch.ones(1 << 16))
     if hvd.rank() == 0:
@@ -180,7 +180,7 @@ def test_no_segment_left_after_kill_9(backend):
 
 def body_hierarchical_allgather():
     import horovod_ext.torch as hvd
-    from horovod_ext import runtime
+    from horovod_ext.engine import runtime
     r, n = hvd.rank(), hvd.size()
     for step, (rows, dtype) in enumerate(((lambda k: k + 1, torch.float32),
                                           (lambda k: 0 if k == 1 else 3, torch.int64),

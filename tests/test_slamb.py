@@ -95,7 +95,7 @@ def _train(opt_factory, steps, rank, snapshots=(), mode="plain", dtype=torch.flo
 
 def body_everything():
     import horovod_ext.torch as hvd
-    from slamb import SLAMB, random_k_indices
+    from horovod_ext.algorithms.slamb import SLAMB, random_k_indices
     r = hvd.rank()
     out = {"size": hvd.size(), "mask": random_k_indices(10007, 0.1, 5, 3, "layer.x")}
 
@@ -162,8 +162,8 @@ def body_everything():
 
 def body_size_one():
     """One process: SLAMB runs without peers and equals LAMB at k = 1."""
-    from horovod_ext.backends.lamb import Lamb
-    from slamb import SLAMB
+    from horovod_ext.algorithms.lamb import Lamb
+    from horovod_ext.algorithms.slamb import SLAMB
     a, _, _ = _train(lambda m: SLAMB(m.parameters(), **COMMON, **SLAMB_CONFIGS["k1_simplified"]),
                      4, 0)
     b, _, _ = _train(lambda m: Lamb(m.parameters(), lr=COMMON["lr"], eps=COMMON["eps"],
@@ -178,8 +178,8 @@ def body_kernels_match_torch():
     that changes the arithmetic, float32 and float64; the largest relative difference (norm of
     the difference over norm) of the parameters and of v and c after 4 steps, per dtype."""
     import itertools
-    from horovod_ext.backends import lamb
-    from slamb import SLAMB
+    from horovod_ext.algorithms import lamb
+    from horovod_ext.algorithms.slamb import SLAMB
     worst = {}
     for dtype in (torch.float32, torch.float64):
         for scaling, inside, bias, wd in itertools.product(SCALINGS, (False, True), (True, False),
@@ -205,7 +205,7 @@ def body_kernels_match_torch():
 # --- single-process references -------------------------------------------------------------------
 def ref_randomk(datas, shapes, step, name, nodes):
     """Per rank: selected elements -> global mean, others -> own value (or node mean)."""
-    from slamb import random_k_indices, syncs_in_full
+    from horovod_ext.algorithms.slamb import random_k_indices, syncs_in_full
     n = len(datas)
     out = [[None] * len(shapes) for _ in range(n)]
     for j, shape in enumerate(shapes):
@@ -227,7 +227,7 @@ def ref_slamb(n_ranks, nodes, ratio, sync_interval, scaling, sync_gradients=Fals
               weight_decay=0.0, min_coeff=0.01, max_coeff=0.4, steps=STEPS):
     """Algorithm 1 for ``units`` (ranks, or nodes whose ranks' gradients are averaged), with
     boolean masks and plain norms.  Returns the parameters of every rank after every step."""
-    from slamb import random_k_indices, syncs_in_full
+    from horovod_ext.algorithms.slamb import random_k_indices, syncs_in_full
     lr, (b1, b2), b3, eps = COMMON["lr"], COMMON["betas"], COMMON["beta3"], COMMON["eps"]
     groups = [[r for r in range(n_ranks) if (nodes or list(range(n_ranks)))[r] == u]
               for u in sorted(set(nodes or range(n_ranks)))]
@@ -284,7 +284,7 @@ def ref_slamb(n_ranks, nodes, ratio, sync_interval, scaling, sync_gradients=Fals
 
 
 def ref_lamb_on_averaged(n, **lamb_args):
-    from horovod_ext.backends.lamb import Lamb
+    from horovod_ext.algorithms.lamb import Lamb
     model = make_model()
     opt = Lamb(model.parameters(), lr=COMMON["lr"], eps=COMMON["eps"], **lamb_args)
     history = {}
@@ -304,7 +304,7 @@ def close(a, b, tol=TOL):
 
 # --- tests ---------------------------------------------------------------------------------------
 def test_mask_density_and_determinism():
-    from slamb.mask import random_k_indices, split_indices
+    from horovod_ext.algorithms.slamb.mask import random_k_indices, split_indices
     for k in (0.5, 0.1, 0.01):
         n = 400_000
         idx = random_k_indices(n, k, 1, 2, "w")
@@ -322,7 +322,7 @@ def test_mask_density_and_determinism():
 
 
 def test_lamb_matches_formula_and_zero_norms():
-    from horovod_ext.backends.lamb import Lamb, trust_ratio
+    from horovod_ext.algorithms.lamb import Lamb, trust_ratio
     assert trust_ratio(torch.tensor(0.0), torch.tensor(2.0), 0.01, 10).item() == 1.0
     assert trust_ratio(torch.tensor(3.0), torch.tensor(0.0)).item() == 1.0
     assert trust_ratio(torch.tensor(300.0), torch.tensor(1.0), 0.01, 10).item() == 10.0
@@ -351,7 +351,7 @@ def test_lamb_c_kernels_match_torch_code(dtype):
     """hvd.Lamb through the C kernels (what CPUs run) and through the torch code, every option
     that changes the arithmetic: parameters, moments and coefficients after 4 steps."""
     import itertools
-    from horovod_ext.backends.lamb import KERNELS, Lamb
+    from horovod_ext.algorithms.lamb import KERNELS, Lamb
     assert KERNELS, "LAMB C kernels not built (no C compiler at install?)"
     for inside, bias, wd in itertools.product((False, True), (True, False), (0.0, 0.01)):
         runs = []
@@ -405,7 +405,7 @@ def _references(n, nodes):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("np_", [2, 3, 4])
 def test_randomk_and_slamb(backend, np_):
-    from slamb import random_k_indices, syncs_in_full
+    from horovod_ext.algorithms.slamb import random_k_indices, syncs_in_full
     nodes = [0, 0, 1, 1] if np_ == 4 else None
     env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"} if nodes else None
     res = run_ranks(body_everything, np_, backend, env=env,

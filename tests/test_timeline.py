@@ -183,7 +183,7 @@ def body_crash(path):
 
 
 def test_a_crashed_job_leaves_a_readable_timeline(tmp_path):
-    from horovod_ext import timeline
+    from horovod_ext.engine import timeline
     path = str(tmp_path / "crash.json")
     run_ranks(body_crash, 2, "gloo", args=(path,), env={"HOROVOD_TIMELINE": path},
               expect_failure=True, timeout=60)
@@ -198,7 +198,7 @@ def test_a_crashed_job_leaves_a_readable_timeline(tmp_path):
 
 
 def test_load_drops_a_partly_written_last_line(tmp_path):
-    from horovod_ext import timeline
+    from horovod_ext.engine import timeline
     path = str(tmp_path / "cut.json")
     t = timeline.Timeline(path, 0)
     t.submitted(("x",), 0)

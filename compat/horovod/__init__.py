@@ -64,7 +64,7 @@ if not any(isinstance(f, _Alias) for f in sys.meta_path):
 
 def __getattr__(name):
     if name == "run":
-        from launch.api import run
+        from horovod_ext.launch.api import run
         return run
     if name in _ALIASED:
         return importlib.import_module(f"{__name__}.{name}")

@@ -276,8 +276,6 @@ class ElasticMembership:
 
 
 elastic_membership = None
-# The driver's count of host changes, in its store: a worker compares it with its generation's.
-ELASTIC_UPDATES_KEY = "horovod_ext/elastic/hosts_updates"
 
 
 def _join_elastic(env, timeout):

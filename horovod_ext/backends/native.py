@@ -25,7 +25,7 @@ def enabled() -> bool:
 
 
 def load(module: str, signatures: Dict[str, Sequence]) -> Optional[ctypes.CDLL]:
-    """The built library of ``module`` (e.g. "adasum._kernels") with argument types set from
+    """The built library of ``module`` (e.g. "horovod_ext.algorithms.adasum._kernels") with argument types set from
     ``signatures`` (function name -> ctypes argument types), or None when it is not built or
     the kernels are switched off."""
     if not enabled():

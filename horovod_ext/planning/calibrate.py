@@ -39,8 +39,8 @@ def seconds_per_call(fn: Callable[[], object], repeats: int = 7,
 
 def local_costs(nbytes: int = 32 * MiB, layers: int = 64) -> Dict[str, float]:
     """Seconds per byte (of the float32 input) of each op's local work, one thread."""
-    from adasum.operator import LayerMap, combine_, coefficients, partial_dots
-    from onebit.compression import compress, decompress
+    from horovod_ext.algorithms.adasum.operator import LayerMap, combine_, coefficients, partial_dots
+    from horovod_ext.algorithms.onebit.compression import compress, decompress
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -84,7 +84,7 @@ def local_costs(nbytes: int = 32 * MiB, layers: int = 64) -> Dict[str, float]:
 def optimizer_costs(buffer: torch.Tensor) -> Dict[str, float]:
     """Seconds per byte of parameters of an Adam step (torch) and a LAMB step (the fused
     kernels hvd.Lamb, 1-bit LAMB and SLAMB share; SLAMB's random-k work is counted apart)."""
-    from horovod_ext.backends.lamb import Lamb
+    from horovod_ext.algorithms.lamb import Lamb
     nbytes = buffer.numel() * 4
     param = torch.nn.Parameter(buffer.clone())
     param.grad = torch.randn_like(param) * 1e-3

@@ -8,7 +8,7 @@ one, as DistributedOptimizer's hooks do); ``plan`` puts both in a table with a r
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
-from ..config import Config
+from horovod_ext.config import Config
 from . import schedules as S
 from .cluster import Cluster
 from .profile import Profile, load

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Sequence, Tuple
 
-from ..partition import pipeline_chunk_bytes
+from horovod_ext.backends.partition import pipeline_chunk_bytes
 from .cluster import Cluster
 from .profile import Profile
 

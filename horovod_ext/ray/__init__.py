@@ -19,6 +19,6 @@ ranks started by hvdrun do: a function run on them calls ``hvd.init()`` as usual
 Ray is an optional extra (``pip install -e ".[ray]"``).  Elastic Ray jobs (``min_workers`` /
 ``max_workers``) are not provided: hvdrun's elastic mode is.
 """
-from .executor import RayExecutor, RaySettings, WorkerDied  # noqa: F401
+from horovod_ext.launch.ray import RayExecutor, RaySettings, WorkerDied  # noqa: F401
 
 __all__ = ["RayExecutor", "RaySettings", "WorkerDied"]

@@ -2,19 +2,19 @@
 # flake8: noqa: F401 - this module re-exports the public API
 import torch as _torch
 
-from .. import process_sets as _process_sets
-from .. import runtime as _runtime
-from ..backends.base import CommunicationError
-from ..config import ConfigError
-from ..engine import Handle, HorovodInternalError
-from ..ops import Average, Max, Min, Op, Product, Sum, register_op, registered_ops
+from horovod_ext.engine import process_sets as _process_sets
+from horovod_ext.engine import runtime as _runtime
+from horovod_ext.backends.base import CommunicationError
+from horovod_ext.config import ConfigError
+from horovod_ext.engine import Handle, HorovodInternalError
+from horovod_ext.ops import Average, Max, Min, Op, Product, Sum, register_op, registered_ops
 from .compression import Compression
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm
 from .sparse import sparse_allreduce, sparse_allreduce_async
-from ..process_sets import (ProcessSet, add_process_set, global_process_set,
-                            remove_process_set)
+from horovod_ext.engine.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                             remove_process_set)
 from . import mpi_ops as _mpi_ops
 from .differentiable import (allgather, allreduce, alltoall, broadcast, grouped_allgather,
                              grouped_allreduce, grouped_reducescatter, reducescatter)
@@ -27,15 +27,15 @@ from .mpi_ops import (allgather_async, allgather_object, allreduce_, allreduce_a
 
 # --- ops and optimizers from the papers --------------------------------------------------
 # Adasum
-from ..adasum_op import Adasum
+from horovod_ext.ops.adasum import Adasum
 # 1-bit compressed allreduce and optimizers
-from onebit import OnebitAdam, OnebitLamb
-from ..onebit_op import OneBit
+from horovod_ext.algorithms.onebit import OnebitAdam, OnebitLamb
+from horovod_ext.ops.onebit import OneBit
 # LAMB, random-k, SLAMB
-from slamb import SLAMB
-from ..backends.lamb import Lamb
-from ..randomk_op import RandomK
-from ..powersgd_op import PowerSGD
+from horovod_ext.algorithms.slamb import SLAMB
+from horovod_ext.algorithms.lamb import Lamb
+from horovod_ext.ops.randomk import RandomK
+from horovod_ext.ops.powersgd import PowerSGD
 from .diloco import DiLoCo
 from . import elastic
 from .elastic import HostsUpdatedInterrupt

@@ -18,8 +18,9 @@ from typing import List
 import torch
 
 from . import mpi_ops
-from ..ops import Average, Sum, get_op
-from ..process_sets import global_process_set
+from horovod_ext.backends.base import ReduceOp
+from horovod_ext.ops import Average, get_op
+from horovod_ext.engine.process_sets import global_process_set
 from .compression import Compression
 
 
@@ -198,13 +199,13 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 # --- reducescatter ----------------------------------------------------------------------------
 def _scatter_grads_back(grads, op, prescale, postscale, process_set) -> List[torch.Tensor]:
     reduce_op = get_op(op)
-    if reduce_op not in (Sum, Average):
+    if reduce_op.reduce_op is not ReduceOp.SUM:
         raise NotImplementedError(f"the gradient of reducescatter is defined for Sum and "
                                   f"Average, not {reduce_op.name}")
     gathered = mpi_ops.grouped_allgather([g.contiguous() for g in grads],
                                          process_set=process_set)
     scale = prescale * postscale
-    if reduce_op is Sum:
+    if not reduce_op.averages:
         scale *= mpi_ops.runtime.set_topology(process_set.process_set_id).size
     return [g.mul_(scale) if scale != 1.0 else g for g in gathered]
 

@@ -25,10 +25,10 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from ..engine import HorovodInternalError
-from ..ops import Average, get_op
-from ..partition import balanced_parts
-from ..process_sets import global_process_set
+from horovod_ext.engine import HorovodInternalError
+from horovod_ext.ops import Average, get_op
+from horovod_ext.backends.partition import balanced_parts
+from horovod_ext.engine.process_sets import global_process_set
 from .mpi_ops import allreduce_async_, synchronize
 
 

@@ -3,7 +3,7 @@ import collections.abc
 
 import torch
 
-from .. import runtime
+from horovod_ext.engine import runtime
 from .mpi_ops import broadcast_async_, broadcast_object, synchronize, global_process_set
 from .sparse import empty_sparse_like
 

@@ -12,12 +12,12 @@ from typing import List, Optional
 
 import torch
 
-from .. import runtime
-from ..engine import JOIN_NAME, Handle, Request
-from ..fast_lane import key_of
-from ..adasum_op import Adasum  # noqa: F401 (Horovod's mpi_ops names every reduction op)
-from ..ops import Average, Max, Min, Op, Product, Sum, get_op  # noqa: F401 (the same)
-from ..process_sets import global_process_set, set_id_of
+from horovod_ext.engine import runtime
+from horovod_ext.engine import JOIN_NAME, Handle, Request
+from horovod_ext.engine.fast_lane import key_of
+from horovod_ext.ops.adasum import Adasum  # noqa: F401 (Horovod's mpi_ops names every reduction op)
+from horovod_ext.ops import Average, Max, Min, Op, Product, Sum, get_op  # noqa: F401 (the same)
+from horovod_ext.engine.process_sets import global_process_set, set_id_of
 from .compression import Compression
 
 _SUPPORTED = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
@@ -330,7 +330,7 @@ def _reducescatter_request(tensor, name, op, prescale_factor, postscale_factor, 
     _check_process_set(process_set)
     _check_tensor(tensor, "reducescatter")
     reduce_op = get_op(op)
-    if getattr(reduce_op, "reduce_op", None) is None:
+    if not reduce_op.elementwise:
         # NotImplementedError is a RuntimeError, the type Horovod raises here.
         raise NotImplementedError(f"reducescatter supports Sum, Average, Min, Max and Product, "
                                   f"not {reduce_op.name}")

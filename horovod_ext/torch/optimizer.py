@@ -26,10 +26,11 @@ import warnings
 from typing import Dict, List
 import torch
 
-from .. import runtime
-from ..config import Config
-from ..engine import NEXT_CYCLE
-from ..ops import Average, ElementwiseOp, Sum, get_op
+from horovod_ext.engine import runtime
+from horovod_ext.config import Config
+from horovod_ext.engine import NEXT_CYCLE
+from horovod_ext.backends.base import ReduceOp
+from horovod_ext.ops import Average, get_op
 from . import buckets as _buckets
 from .compression import Compression
 from .mpi_ops import (global_process_set, grouped_allreduce_async_, synchronize as _wait,
@@ -71,7 +72,7 @@ class _DistributedMixin:
         self._parameter_names = {p: horovod_names[id(p)] for p in params}
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        if gradient_predivide_factor != 1.0 and get_op(op) is not Average:
+        if gradient_predivide_factor != 1.0 and not get_op(op).averages:
             raise ValueError("gradient_predivide_factor needs op=Average")
         self._hvd = {
             "names": {id(p): by_param[id(p)] for p in params},
@@ -102,8 +103,7 @@ class _DistributedMixin:
                 members.setdefault(gi, []).append(p)
         self._hvd["group_members"] = members      # in parameter order
         self._hvd["group_ready"] = {gi: [] for gi in members}
-        self._hvd["delta"] = bool(getattr(self._hvd["op"], "wants_delta",
-                                          lambda opt: False)(self))
+        self._hvd["delta"] = bool(self._hvd["op"].wants_delta(self))
         # A rank outside the process set trains on its own gradients, as in Horovod.
         self._hvd["member"] = process_set.included() is not False
         self._hvd["explicit_groups"] = groups is not None
@@ -127,7 +127,7 @@ class _DistributedMixin:
         gradient itself, so it is finished in synchronize() without buckets (whose copy of
         autograd's fresh gradients is most of the cost at one process) or engine requests."""
         h = self._hvd
-        return (h["process_set"].size() == 1 and isinstance(h["op"], ElementwiseOp)
+        return (h["process_set"].size() == 1 and h["op"].elementwise
                 and not h["delta"])
 
     @staticmethod
@@ -141,7 +141,7 @@ class _DistributedMixin:
         boundaries), no explicit ``groups``, no delta mode, fusion on."""
         h = self._hvd
         params = [p for p in h["params"] if id(p) not in h["sparse"]]  # sparse: left for good
-        if (h["explicit_groups"] or h["delta"] or not isinstance(h["op"], ElementwiseOp)
+        if (h["explicit_groups"] or h["delta"] or not h["op"].elementwise
                 or cap == 0 or not params or not _buckets.eligible(params)):
             return []
         return _buckets.plan(params, cap)
@@ -179,7 +179,7 @@ class _DistributedMixin:
     # --- reduction ----------------------------------------------------------------------------
     def _hvd_scales(self):
         h = self._hvd
-        if h["op"] is Average and h["predivide"] != 1.0:
+        if h["op"].averages and h["predivide"] != 1.0:
             return 1.0 / h["predivide"], h["predivide"]
         return 1.0, 1.0
 
@@ -339,7 +339,7 @@ class _DistributedMixin:
             sparse = [h["names"][id(q)] for q in params if q.grad.is_sparse]
             raise ValueError(f"sparse gradients for {sparse} cannot be reduced in a group: "
                              f"pass sparse_as_dense=True or leave them out of groups")
-        if h["op"] is not Average and h["op"] is not Sum:
+        if h["op"].reduce_op is not ReduceOp.SUM:
             raise ValueError(f"sparse gradient for {h['names'][id(p)]}: op {h['op'].name} "
                              f"cannot reduce sparse gradients (Average and Sum can); pass "
                              f"sparse_as_dense=True")
@@ -498,8 +498,9 @@ class _DistributedMixin:
     def state_dict(self):
         state = super().state_dict()
         op = self._hvd["op"]
-        if hasattr(op, "state_dict"):
-            state[self._HVD_OP_STATE] = {"op": op.name, "state": op.state_dict()}
+        op_state = op.state_dict()
+        if op_state is not None:
+            state[self._HVD_OP_STATE] = {"op": op.name, "state": op_state}
         return state
 
     def load_state_dict(self, state_dict):
@@ -507,7 +508,7 @@ class _DistributedMixin:
         saved = state_dict.pop(self._HVD_OP_STATE, None)
         super().load_state_dict(state_dict)
         op = self._hvd["op"]
-        if saved is not None and hasattr(op, "load_state_dict"):
+        if saved is not None:
             if saved["op"] != op.name:
                 raise ValueError(f"this checkpoint holds the state of op {saved['op']}, but the "
                                  f"optimizer reduces with {op.name}")

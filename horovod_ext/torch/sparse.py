@@ -8,8 +8,9 @@ when few rows are touched, since only those rows travel.
 """
 import torch
 
-from .. import runtime
-from ..ops import Average, Sum, get_op
+from horovod_ext.engine import runtime
+from horovod_ext.backends.base import ReduceOp
+from horovod_ext.ops import Average, get_op
 from .mpi_ops import allgather_async, global_process_set, synchronize
 
 
@@ -70,13 +71,13 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         raise TypeError(f"sparse_allreduce expects a sparse COO torch.Tensor, got {what}; "
                         f"use hvd.allreduce for dense tensors")
     reduce_op = get_op(op)
-    if reduce_op is not Average and reduce_op is not Sum:
+    if reduce_op.reduce_op is not ReduceOp.SUM:
         raise ValueError(f"sparse_allreduce supports op Average or Sum, not {reduce_op.name}: "
                          f"it gathers entries rather than combining them element by element")
     reason = reduce_op.check_dtype(tensor.dtype)
     if reason:
         raise TypeError(f"sparse_allreduce: {reason}")
-    divisor = _process_set_size(process_set) if reduce_op is Average else 1
+    divisor = _process_set_size(process_set) if reduce_op.averages else 1
     # allgather concatenates along dim 0, so entries go one per row: indices as (nnz, sparse_dim)
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()

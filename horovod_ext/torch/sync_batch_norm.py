@@ -10,8 +10,8 @@ would.  In evaluation, or on one rank, it is torch's BatchNorm.
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..ops import Sum
-from ..process_sets import global_process_set
+from horovod_ext.ops import Sum
+from horovod_ext.engine.process_sets import global_process_set
 from .differentiable import allreduce
 
 

@@ -1,7 +1,7 @@
 """``horovodrun``: horovod_ext's launcher (hvdrun) under Horovod's command name."""
 import sys
 
-from launch import run as hvdrun
+from horovod_ext.launch import run as hvdrun
 
 
 def main(argv=None) -> int:

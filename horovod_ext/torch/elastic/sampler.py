@@ -13,9 +13,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from ... import runtime
-
-
+from horovod_ext.engine import runtime
 class ElasticSampler(torch.utils.data.Sampler):
     def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed

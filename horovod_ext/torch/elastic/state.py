@@ -14,11 +14,11 @@ import functools
 import logging
 from typing import Callable, List
 
-from ... import runtime
-from ...backends import bootstrap
-from ...backends.base import CommunicationError
-from ...engine import HorovodInternalError
-from .. import mpi_ops
+from horovod_ext.backends import bootstrap
+from horovod_ext.backends.base import CommunicationError
+from horovod_ext.config import ELASTIC_UPDATES_KEY
+from horovod_ext.engine import HorovodInternalError, runtime
+from horovod_ext.torch import mpi_ops
 
 _log = logging.getLogger("horovod_ext")
 
@@ -38,7 +38,7 @@ def _hosts_updated() -> bool:
     if membership is None:
         return False
     changed = (runtime.topology().rank == 0 and
-               membership.store.add(bootstrap.ELASTIC_UPDATES_KEY, 0) > membership.hosts_updates)
+               membership.store.add(ELASTIC_UPDATES_KEY, 0) > membership.hosts_updates)
     return bool(mpi_ops.broadcast_object(changed, root_rank=0, name="elastic.hosts_updated"))
 
 

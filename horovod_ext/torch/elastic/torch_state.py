@@ -4,8 +4,8 @@ import copy
 
 import torch
 
-from ..functions import broadcast_optimizer_state, broadcast_parameters
-from ..mpi_ops import broadcast_object
+from horovod_ext.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from horovod_ext.torch.mpi_ops import broadcast_object
 from .sampler import ElasticSampler
 from .state import State
 

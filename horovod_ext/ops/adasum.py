@@ -14,13 +14,14 @@ from typing import Tuple
 
 import torch
 
-from adasum import adasum_allreduce_
+from horovod_ext.algorithms.adasum import adasum_allreduce_
 
-from .backends import trace
-from .backends.base import ReduceOp, split_sizes
-from .backends.topology import Topology
-from .collectives import node_transport
-from .ops import Op, average_, register_op
+from horovod_ext.backends import trace
+from horovod_ext.backends.base import ReduceOp, split_sizes
+from horovod_ext.backends.topology import Topology
+from horovod_ext.backends.collectives import node_transport
+from .base import Op, average_
+from .registry import register_op
 
 class AdasumOp(Op):
     name = "adasum"

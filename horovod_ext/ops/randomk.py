@@ -19,13 +19,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from slamb.mask import random_k_indices, slice_indices
-from slamb.sparse import SMALL_TENSOR_NUMEL, Entry, masked_average_, syncs_in_full
+from horovod_ext.algorithms.slamb.mask import random_k_indices, slice_indices
+from horovod_ext.algorithms.slamb.sparse import SMALL_TENSOR_NUMEL, Entry, masked_average_, syncs_in_full
 
-from .backends import trace
-from .backends.base import ReduceOp
-from .backends.topology import Topology
-from .ops import Layer, Op, get_op, register_op
+from horovod_ext.backends import trace
+from horovod_ext.backends.base import ReduceOp
+from horovod_ext.backends.topology import Topology
+from .base import Layer, Op
+from .registry import get_op, register_op
 
 
 class RandomKOp(Op):

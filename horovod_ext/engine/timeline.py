@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .backends import trace
+from horovod_ext.backends import trace
 
 FLUSH_INTERVAL_S = 0.2
 OTHER_TRACK = "(outside a request)"

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 from . import hosts as hostlib
 from . import netinfo, remote
 from .supervise import GRACE_S, Output, Supervisor, describe_exit
-from horovod_ext.backends.bootstrap import ELASTIC_UPDATES_KEY as UPDATES_KEY  # noqa: E402
+from horovod_ext.config import ELASTIC_UPDATES_KEY as UPDATES_KEY
 
 DISCOVERY_PERIOD_S = 1.0
 DISCOVERY_TIMEOUT_S = 10.0

@@ -57,8 +57,8 @@ import torch
 
 from horovod_ext.backends import context
 from horovod_ext.backends import native
-from horovod_ext.backends.lamb import (KERNELS, bias_corrections, check_lamb_args, lamb_update,
-                                       trust_ratio)
+from horovod_ext.algorithms.lamb import (KERNELS, bias_corrections, check_lamb_args, lamb_update,
+                                         trust_ratio)
 from horovod_ext.backends.topology import Topology
 
 from .mask import random_k_indices, split_indices

@@ -1,17 +1,18 @@
-"""The reduction-op registry.
+"""The contract every reduction op fulfils: ``Op`` declares each hook the engine, the fusion
+buffers and DistributedOptimizer may call, with its default, so nothing outside an op's own
+module asks its type, its name or ``hasattr``.
 
-Every op is an object registered under a unique name, with one entry point that receives a fused
-flat buffer, the per-tensor boundaries inside it, and the collectives it may use.  The engine
-sends the op's name across ranks during negotiation and looks it up here, so a user's own op
-works everywhere a built-in one does once it is registered on every rank.
+An op receives one fused flat buffer, the per-tensor boundaries inside it (``Layer``) and the
+collectives it may use (``backends.collectives.Collectives``: flat or hierarchical, the world
+and the node).  Ops travel between ranks by name (``ops.registry``).
 """
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .backends.base import ReduceOp
-from .collectives import Collectives
+from horovod_ext.backends.base import ReduceOp
+from horovod_ext.backends.collectives import Collectives
 
 
 @dataclass(frozen=True)
@@ -26,9 +27,18 @@ class Layer:
 
 
 class Op:
-    """Base class of reduction ops.  Subclasses set ``name`` and implement ``allreduce``."""
+    """Base class of reduction ops.  Subclasses set ``name`` and implement ``allreduce``; every
+    other hook has a default that suits a stateless op."""
 
     name: str = ""
+    # The elementwise reduction when the op is one (Sum, Min, ...): its ``allreduce`` is then
+    # exactly ``comms.allreduce(buffer, reduce_op)`` followed by ``finish_``, which lets the
+    # engine reduce in shared memory, through prepared calls and by reduce-scatter.  None for
+    # ops with an algorithm of their own.
+    reduce_op: Optional[ReduceOp] = None
+    # An elementwise op whose result is divided by the number of ranks (Average; integer
+    # tensors truncated toward zero, as Horovod does).
+    averages: bool = False
     # False for ops that keep state per fusion buffer (error feedback): the engine then never
     # fuses separate requests, so each buffer holds the same tensors every step.
     fuse_across_requests: bool = True
@@ -40,11 +50,25 @@ class Op:
     # True for ops whose arithmetic needs real numbers (compression, dot products)
     floating_point_only: bool = False
 
+    @property
+    def elementwise(self) -> bool:
+        return self.reduce_op is not None
+
+    @property
+    def timeline_name(self) -> str:
+        """The operation's name on the timeline."""
+        return "ALLREDUCE" if self.elementwise else self.name.upper()
+
     def allreduce(self, buffer: torch.Tensor, layers: Sequence[Layer],
                   comms: Collectives) -> torch.Tensor:
         """Reduce ``buffer`` (1-D, contiguous) over all ranks; return the result (may be the
         same tensor)."""
         raise NotImplementedError
+
+    def finish_(self, tensor: torch.Tensor, count: int) -> torch.Tensor:
+        """An elementwise op's last step after ``reduce_op`` over ``count`` ranks (Average
+        divides); in place, returns ``tensor``."""
+        return average_(tensor, count) if self.averages else tensor
 
     def check_dtype(self, dtype: torch.dtype) -> Optional[str]:
         """A reason this op cannot reduce ``dtype``, or None."""
@@ -55,37 +79,30 @@ class Op:
             return f"op {self.name} does not support bool tensors"
         return None
 
+    def wants_delta(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether DistributedOptimizer should step locally and reduce the parameters' change
+        (Adasum's mode for optimizers with state) instead of the gradients."""
+        return False
+
+    def state_dict(self) -> Optional[dict]:
+        """This rank's state (error feedback, factors) for a checkpoint, None when stateless."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        if state:
+            raise ValueError(f"op {self.name} keeps no state, but was given some")
+
+    def reset(self) -> None:
+        """Forget all state: called when the world changes (an elastic re-initialisation with
+        another size), since error feedback and factors belong to the old layout."""
+
     def __repr__(self):
         return f"<op {self.name}>"
 
     def __reduce__(self):  # ops travel by name: the registry on the other side has them
+        from .registry import get_op
         return (get_op, (self.name,))
-
-
-class ElementwiseOp(Op):
-    """Sum, Min, Max, Product: one allreduce, flat or hierarchical."""
-
-    def __init__(self, name: str, reduce_op: ReduceOp, bool_ok: bool = True):
-        self.name = name
-        self.reduce_op = reduce_op
-        self._bool_ok = bool_ok
-
-    def allreduce(self, buffer, layers, comms):
-        return comms.allreduce(buffer, self.reduce_op)
-
-    def check_dtype(self, dtype):
-        return None if self._bool_ok or dtype != torch.bool else super().check_dtype(dtype)
-
-
-class AverageOp(ElementwiseOp):
-    """Sum divided by the number of ranks (integer tensors: truncated, as Horovod does)."""
-
-    def __init__(self):
-        super().__init__("average", ReduceOp.SUM, bool_ok=False)
-
-    def allreduce(self, buffer, layers, comms):
-        buffer = comms.allreduce(buffer, ReduceOp.SUM)
-        return average_(buffer, comms.world.size)
 
 
 def average_(tensor: torch.Tensor, count: int) -> torch.Tensor:
@@ -114,41 +131,3 @@ def reduce_flat(op: Op, buffer: torch.Tensor, layers: Sequence[Layer], comms: Co
     be ``buffer`` itself (elementwise ops) or a new tensor."""
     scale_(buffer, prescale)
     return scale_(op.allreduce(buffer, layers, comms), postscale)
-
-
-_REGISTRY: Dict[str, Op] = {}
-
-
-def register_op(op: Op, replace: bool = False) -> Op:
-    """Register ``op`` under ``op.name`` on this rank; every rank must register it."""
-    if not isinstance(op, Op) or not op.name:
-        raise TypeError(f"register_op needs an Op instance with a name, got {op!r}")
-    existing = _REGISTRY.get(op.name)
-    if existing is not None and existing is not op and not replace:
-        raise ValueError(f"an op named {op.name!r} is registered already; pass replace=True")
-    _REGISTRY[op.name] = op
-    return op
-
-
-def get_op(op: Union[str, Op]) -> Op:
-    if isinstance(op, Op):
-        if _REGISTRY.get(op.name) is not op:
-            raise ValueError(f"op {op.name!r} is not registered: call hvd.register_op(op) on "
-                             f"every rank first")
-        return op
-    try:
-        return _REGISTRY[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown reduction op {op!r}; registered ops: "
-                         f"{sorted(_REGISTRY)}") from None
-
-
-def registered_ops() -> Dict[str, Op]:
-    return dict(_REGISTRY)
-
-
-Sum = register_op(ElementwiseOp("sum", ReduceOp.SUM))
-Average = register_op(AverageOp())
-Min = register_op(ElementwiseOp("min", ReduceOp.MIN))
-Max = register_op(ElementwiseOp("max", ReduceOp.MAX))
-Product = register_op(ElementwiseOp("product", ReduceOp.PRODUCT))

@@ -85,7 +85,7 @@ def run(func: Callable, args=(), kwargs=None, num_proc: int = 1,
                  verbose, use_gloo, use_mpi, mpi_args, network_interface)
     if cooldown_range is not None:
         argv += ["--blacklist-cooldown-range"] + [str(v) for v in cooldown_range]
-    o = _parse(argv + [executable or sys.executable, "-m", "launch.task"])
+    o = _parse(argv + [executable or sys.executable, "-m", "horovod_ext.launch.task"])
     remote = bool(hvdrun._remote_hosts(o, netinfo.ipv4_addresses())) or o.elastic
     bind, reach = driver.caller_addresses(remote)
     server = driver.Server(driver.dumps((func, tuple(args), dict(kwargs or {}))), bind)

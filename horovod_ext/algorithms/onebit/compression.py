@@ -44,7 +44,7 @@ _LOCAL = threading.local()
 
 
 _P, _N = ctypes.c_void_p, ctypes.c_int64
-_LIB = native.load("onebit._kernels", {
+_LIB = native.load("horovod_ext.algorithms.onebit._kernels", {
     **{f"hx_onebit_compress_{t}": (_P, _P, _N, _P, _N, _P, _P, _N, _P, _P, _N, _P, _P)
        for t in ("f32", "f64")},
     **{f"hx_onebit_decompress_{t}": (_P, _N, _P, _N, _P, _P) for t in ("f32", "f64")},

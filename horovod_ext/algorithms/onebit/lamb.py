@@ -1,6 +1,6 @@
 """1-bit LAMB (Li et al., Algorithm 1) with DeepSpeed's argument names, on CPU and GPU.
 
-Warm-up (steps 1 .. freeze_step): LAMB (``horovod_ext.backends.lamb``) on gradients averaged at
+Warm-up (steps 1 .. freeze_step): LAMB (``horovod_ext.algorithms.lamb``) on gradients averaged at
 full precision, tracking each tensor's scaling-coefficient moving average
 ``c_avg = coeff_beta c_avg + (1 - coeff_beta) c_t``.  At the end of the warm-up the variance
 ``v_Tw`` is frozen, a fresh variance starts from it, and each tensor gets a fixed momentum scale
@@ -25,8 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from horovod_ext.backends.lamb import (DEFAULT_MAX_COEFF, DEFAULT_MIN_COEFF, check_lamb_args,
-                                       lamb_coefficient, lamb_update, update_moments_)
+from horovod_ext.algorithms.lamb import (DEFAULT_MAX_COEFF, DEFAULT_MIN_COEFF, check_lamb_args,
+                                         lamb_coefficient, lamb_update, update_moments_)
 
 from ._base import OnebitOptimizer
 

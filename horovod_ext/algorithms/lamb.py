@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Tuple, Union
 
 import torch
 
-from . import native
+from horovod_ext.backends import native
 
 Number = Union[float, torch.Tensor]
 
@@ -35,7 +35,7 @@ DEFAULT_MIN_COEFF = 0.01
 DEFAULT_MAX_COEFF = 10.0
 
 _P, _N, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-_LIB = native.load("horovod_ext.backends._lamb_kernels", {
+_LIB = native.load("horovod_ext.algorithms._lamb_kernels", {
     **{f"hx_lamb_moments_{t}": (_P, _P, _P, _P, _P, _N, _P, _N, _N, _D, _D, _D, _D, _D, _N, _D,
                                 _P) for t in ("f32", "f64")},
     **{f"hx_lamb_update_{t}": (_P, _P, _P, _P, _N, _N, _D, _D, _D, _N, _D, _D, _D, _D)

@@ -29,14 +29,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .backends import trace
-from .backends.base import CommunicationError, split_sizes
-from .backends.control import ControlChannel
-from .collectives import Collectives
-from .config import Config
+from horovod_ext.backends import trace
+from horovod_ext.backends.base import CommunicationError, split_sizes
+from horovod_ext.backends.control import ControlChannel
+from horovod_ext.backends.collectives import Collectives
+from horovod_ext.config import Config
 from .fast_lane import CachedAllreduce
 from .fusion import FusionBuffers, layers_of
-from .ops import average_, get_op, reduce_flat, scale_
+from horovod_ext.ops import get_op, reduce_flat, scale_
 
 log = logging.getLogger("horovod_ext")
 
@@ -660,7 +660,7 @@ class Engine:
         first = members[0]
         if first.kind == "allreduce":
             op = get_op(first.op)
-            name = "ALLREDUCE" if hasattr(op, "reduce_op") else op.name.upper()
+            name = op.timeline_name
         else:
             name = first.kind.upper()
         tracks = [_track(r.kind, n) for r in members for n in r.tensor_names()]
@@ -693,7 +693,7 @@ class Engine:
             # An elementwise op's fused buffer goes straight into shared memory when the
             # in-node steps run there.
             slot = None
-            if getattr(op, "reduce_op", None) is not None and tensors[0].is_cpu:
+            if op.elementwise and tensors[0].is_cpu:
                 slot = self.comms.pack_target(sum(t.numel() for t in tensors),
                                               tensors[0].dtype)
             with trace.activity("MEMCPY_IN_FUSION_BUFFER",
@@ -778,14 +778,13 @@ class Engine:
         if r.prescale != 1.0:
             buffer = scale_(buffer.clone(), r.prescale)
         op = get_op(r.op)
-        reduce_op = getattr(op, "reduce_op", None)
+        reduce_op = op.reduce_op
         if reduce_op is None:
             raise ValueError(f"reducescatter supports Sum, Average, Min, Max and Product, "
                              f"not {r.op}")
         with trace.transfer(self.comms.world, "REDUCESCATTER", buffer):
             out = self.comms.world.reduce_scatter(buffer, [n * row for n in rows], reduce_op)
-        if r.op == "average":
-            average_(out, self.size)
+        op.finish_(out, self.size)
         scale_(out, r.postscale)
         return out.view((rows[self.rank],) + tuple(t.shape[1:]))
 

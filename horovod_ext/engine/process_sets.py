@@ -12,8 +12,6 @@ Horovod.
 from typing import List, Optional, Sequence, Union
 
 from . import runtime
-
-
 def _is_mpi_comm(obj) -> bool:
     # By the type's module: importing mpi4py.MPI here would initialise MPI.
     return any(c.__module__.startswith("mpi4py") and c.__name__ == "Comm"

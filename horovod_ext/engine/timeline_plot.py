@@ -1,6 +1,6 @@
 """Draw a timeline file as a PNG, for a machine without a trace viewer (needs matplotlib).
 
-    .venv/bin/python -m horovod_ext.timeline_plot trace.json trace.png [--zoom ADASUM]
+    .venv/bin/python -m horovod_ext.engine.timeline_plot trace.json trace.png [--zoom ADASUM]
 
 One row per tensor track, activities as bars (nested ones drawn thinner inside their parent),
 each rank's submission during negotiation as a tick.  ``--zoom NAME`` adds a second panel

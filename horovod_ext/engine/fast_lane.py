@@ -14,10 +14,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .backends import trace
-from .collectives import Collectives
+from horovod_ext.backends import trace
+from horovod_ext.backends.collectives import Collectives
 from .fusion import layers_of
-from .ops import AverageOp, ElementwiseOp, Op, average_, reduce_flat
+from horovod_ext.ops import Op, reduce_flat
 
 Key = Tuple
 
@@ -37,7 +37,7 @@ class CachedAllreduce:
     """One named allreduce of one tensor (in place, or into a copy), ready to run again."""
 
     __slots__ = ("key", "cid", "entry", "message", "in_place", "_layers", "_comms",
-                 "_prepared", "_average")
+                 "_prepared", "_op")
 
     def __init__(self, key: Key, cid: int, entry, message: bytes, name: str,
                  tensor: torch.Tensor, comms: Collectives):
@@ -49,9 +49,9 @@ class CachedAllreduce:
         self.in_place = address is not None  # otherwise the engine reduces a copy
         self._comms = comms
         self._layers = layers_of([tensor], [name])
-        self._average = type(op) is AverageOp
+        self._op = op
         self._prepared: Optional[Callable[[], None]] = None
-        flat_elementwise = (self.in_place and type(op) in (ElementwiseOp, AverageOp)
+        flat_elementwise = (self.in_place and op.elementwise
                             and dtype != torch.bool
                             and prescale == postscale == 1.0
                             and comms.reduces_on_world(tensor))
@@ -65,8 +65,7 @@ class CachedAllreduce:
         if self._prepared is not None:
             with trace.transfer(self._comms.world, "ALLREDUCE", tensor):
                 self._prepared()
-            if self._average:
-                average_(tensor, self._comms.world.size)
+            self._op.finish_(tensor, self._comms.world.size)
             return
         _, _, _, op, prescale, postscale = self.key
         buffer = tensor if tensor.dim() == 1 else tensor.view(-1)

@@ -15,11 +15,12 @@ every time.
 """
 from typing import Dict, Tuple
 
-from powersgd import PowerSGDState, powersgd_allreduce_
+from horovod_ext.algorithms.powersgd import PowerSGDState, powersgd_allreduce_
 
-from .backends.base import ReduceOp
-from .ops import Op, get_op, register_op
-from .partition import balanced_parts
+from horovod_ext.backends.base import ReduceOp
+from .base import Op
+from .registry import get_op, register_op
+from horovod_ext.backends.partition import balanced_parts
 
 
 class PowerSGDOp(Op):

@@ -11,10 +11,11 @@ Name your requests: an unnamed call gets a fresh name, hence fresh (zero) errors
 """
 from typing import Dict, Tuple
 
-from onebit.compressed_allreduce import (ErrorFeedback, compressed_allreduce_,
-                                         hierarchical_compressed_allreduce_)
+from horovod_ext.algorithms.onebit.compressed_allreduce import (ErrorFeedback, compressed_allreduce_,
+                                                                hierarchical_compressed_allreduce_)
 
-from .ops import Op, register_op
+from .base import Op
+from .registry import register_op
 
 
 class OneBitOp(Op):

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from horovod_ext.backends.lamb import lamb_update, update_moments_
+from horovod_ext.algorithms.lamb import lamb_update, update_moments_
 
 from ._base import OnebitOptimizer
 

@@ -17,12 +17,12 @@ from typing import Dict, List, Optional
 import torch
 
 from . import autotune, timeline
-from .backends import bootstrap, context
-from .backends.control import ControlChannel
-from .backends.topology import Topology
-from .collectives import Collectives
-from .config import Config, ConfigError
-from .engine import Engine, HorovodInternalError, Request
+from horovod_ext.backends import bootstrap, context
+from horovod_ext.backends.control import ControlChannel
+from horovod_ext.backends.topology import Topology
+from horovod_ext.backends.collectives import Collectives
+from horovod_ext.config import Config, ConfigError
+from .core import Engine, HorovodInternalError, Request
 
 _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
            "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
@@ -220,7 +220,7 @@ def _control_channel(transport: str, world, config: Config):
     host where TCP takes ~50 us), a TCP star beside Gloo (whose small-message latency is
     0.3-2 ms here)."""
     if transport == "mpi":
-        from .backends.control_mpi import MPIControlChannel
+        from horovod_ext.backends.control_mpi import MPIControlChannel
         return MPIControlChannel.connect(world.comm, config.timeout_s)
     return ControlChannel.connect(world, config.timeout_s, config.control_iface)
 

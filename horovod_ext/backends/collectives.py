@@ -14,9 +14,9 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .backends import shm, trace
-from .backends.base import Communicator, ReduceOp, split_sizes
-from .backends.topology import Topology
+from . import shm, trace
+from .base import Communicator, ReduceOp, split_sizes
+from .topology import Topology
 from .partition import pipeline_chunk_bytes
 
 # cross_step(shard, shard_offset, topology) -> reduced shard (may be the same tensor)

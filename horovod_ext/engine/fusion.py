@@ -7,8 +7,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .backends.scratch import Workspace
-from .ops import Layer
+from horovod_ext.backends.scratch import Workspace
+from horovod_ext.ops import Layer
 
 
 def layers_of(tensors: Sequence[torch.Tensor], names: Optional[Sequence[str]] = None) -> List[Layer]:
