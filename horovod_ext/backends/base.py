@@ -109,7 +109,7 @@ class Communicator(ABC):
 
     # Algorithms that repeat one exchange every step (Adasum's levels) can prepare it once.
     # Right after a large transfer has evicted the caches, each torch op on the way to the
-    # transport (a slice, a tensor -> buffer conversion) costs tens of microseconds here.
+    # transport (a slice, a tensor -> buffer conversion) costs more than the call itself.
     #: True when prepared calls hold no reference to the tensors, only their addresses: they
     #: stay valid for any later tensor with the same memory, and keeping them frees nothing late.
     prepared_by_address = False

@@ -1,25 +1,27 @@
-"""The communicators an op may use, and flat or hierarchical dispatch of the common collectives.
+"""The collectives an op may use, flat or hierarchical.
 
-Hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1, several nodes with the same number of
-processes): reduce-scatter inside the node, a cross-node step on each rank's shard among the ranks
-with the same local rank, all-gather inside the node.  The cross-node step is a parameter, so
-Adasum, 1-bit and random-k plug their own algorithm into it instead of copying this code.  The
-in-node steps of CPU buffers go through shared memory (backends/shm.py, reached through the
-topology) where the host allows it and HOROVOD_SHARED_MEMORY is not 0, over the local
-communicator otherwise; elementwise ops pipeline them with the cross-node step.  When every
-rank is on one host, elementwise allreduces from the size where it pays (Gloo: 64 KiB, MPI:
-32 MiB) run through that shared memory too, hierarchical or not.
+``Collectives`` is what an op's ``allreduce`` receives: the topology, the switches
+(HOROVOD_HIERARCHICAL_ALLREDUCE / _ALLGATHER), ``allreduce`` for the elementwise reductions and
+``reduce`` for an op's own step, both flat or through the one hierarchical skeleton
+(``backends.hierarchy``).  The in-node steps of CPU buffers go through shared memory
+(backends/shm.py, reached through the topology) where the host allows it and
+HOROVOD_SHARED_MEMORY is not 0, over the local communicator otherwise; elementwise ops pipeline
+them with the cross-node step.  When every rank is on one host, elementwise allreduces from the
+size where it pays (the communicator's ``shared_memory_from_bytes``) run through that shared
+memory too, hierarchical or not.
 """
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import shm, trace
-from .base import Communicator, ReduceOp, split_sizes
-from .topology import Topology
+from .base import Communicator, ReduceOp
+from .hierarchy import Span, Step, hierarchical_, run_step
 from .partition import pipeline_chunk_bytes
+from .topology import Topology
 
-# cross_step(shard, shard_offset, topology) -> reduced shard (may be the same tensor)
+# cross_step(shard, shard_offset, topology) -> reduced shard (may be the same tensor): a user
+# op's cross-node step for ``Collectives.allreduce``; ``reduce`` takes the general ``Step``.
 CrossStep = Callable[[torch.Tensor, int, Topology], torch.Tensor]
 
 
@@ -38,8 +40,7 @@ class Collectives:
         in, none of its own shard out), None otherwise.  Collective over the local ranks, as
         the reduction that follows is."""
         empty = torch.empty(0, dtype=dtype)
-        if not ((self.hierarchical_allreduce and self.hierarchy_applies)
-                or self._single_node(numel * empty.element_size())):
+        if not (self.hierarchical or self._single_node(numel * empty.element_size())):
             return None
         in_node = self.topology.in_node(empty)
         return None if in_node is None else in_node.buffer(numel, dtype)
@@ -55,7 +56,7 @@ class Collectives:
     def reduces_on_world(self, buffer: torch.Tensor) -> bool:
         """Whether an elementwise allreduce of ``buffer`` is one plain call of the world
         communicator (not hierarchical, not through shared memory)."""
-        if self.hierarchical_allreduce and self.hierarchy_applies:
+        if self.hierarchical:
             return False
         return not (shm.usable_for(buffer.view(-1))
                     and self._single_node(buffer.numel() * buffer.element_size()))
@@ -69,13 +70,26 @@ class Collectives:
     @property
     def hierarchy_applies(self) -> bool:
         """Several nodes, more than one process on each, and the same number on each."""
-        t = self.topology
-        return t.num_nodes > 1 and t.local_size > 1 and t.is_homogeneous
+        return self.topology.hierarchy_applies
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether allreduces go through the hierarchy: asked for, and the topology allows."""
+        return self.hierarchical_allreduce and self.topology.hierarchy_applies
+
+    def reduce(self, buffer: torch.Tensor, step: Step, node_average: bool = True,
+               share: Optional[Tuple[int, int]] = None,
+               activity: str = "CROSS_STEP") -> torch.Tensor:
+        """An op's own reduction of ``buffer`` over every rank: ``step`` on the whole buffer
+        among all ranks, or (hierarchical) on this rank's part of the node's sum (average with
+        ``node_average``) among the nodes (``backends.hierarchy``); in place, returns it."""
+        return run_step(buffer.view(-1), self.topology, step, self.hierarchical_allreduce,
+                        node_average, share, activity).view_as(buffer)
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                   cross_step: Optional[CrossStep] = None) -> torch.Tensor:
         """In-place allreduce of a flat buffer; returns it."""
-        if self.hierarchical_allreduce and self.hierarchy_applies:
+        if self.hierarchical:
             in_node = self.topology.in_node(buffer)
             if in_node is not None and cross_step is None:
                 cross = self.topology.cross
@@ -88,7 +102,7 @@ class Collectives:
                 with trace.activity("SHM_HIERARCHICAL_ALLREDUCE", trace.nbytes_of(buffer)):
                     return in_node.pipelined_allreduce(buffer.view(-1), op, cross_allreduce,
                                                        self._chunk_elements(buffer))
-            return hierarchical_allreduce(buffer, self.topology, op, cross_step)
+            return _hierarchical_allreduce(buffer, self.topology, op, cross_step)
         if cross_step is not None:
             return buffer.copy_(cross_step(buffer, 0, self.topology))
         if not self.reduces_on_world(buffer):
@@ -99,34 +113,26 @@ class Collectives:
             return self.world.allreduce(buffer, op)
 
     def allgather(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
-        if self.hierarchical_allgather and self.hierarchy_applies:
+        if self.hierarchical_allgather and self.topology.hierarchy_applies:
             return hierarchical_allgather(tensor, self.topology, counts)
         with trace.transfer(self.world, "ALLGATHER", tensor):
             return self.world.allgather(tensor, counts)
 
 
-def node_transport(topology: Topology, tensor: torch.Tensor) -> str:
-    """What carries the in-node steps of ``tensor`` (for the timeline)."""
-    return "SHM" if topology.in_node(tensor) is not None else topology.local.transport(tensor)
-
-
-def hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceOp,
-                           cross_step: Optional[CrossStep] = None) -> torch.Tensor:
-    flat = buffer.view(-1)
-    counts = split_sizes(flat.numel(), topology.local_size)
-    offset = sum(counts[:topology.local_rank])
-    tl = trace.recorder
-    node = node_transport(topology, flat) if tl is not None else ""
-    with trace.activity(f"{node}_NODE_REDUCESCATTER", trace.nbytes_of(flat)):
-        shard = topology.node_reduce_scatter(flat, op)
+def _hierarchical_allreduce(buffer: torch.Tensor, topology: Topology, op: ReduceOp,
+                            cross_step: Optional[CrossStep] = None) -> torch.Tensor:
+    """``op`` through the hierarchical skeleton: a plain allreduce of each shard across nodes,
+    or the user's ``cross_step``."""
     if cross_step is None:
-        with trace.transfer(topology.cross, "CROSS_ALLREDUCE", shard):
-            shard = topology.cross.allreduce(shard, op)
-    else:
-        with trace.activity("CROSS_STEP", trace.nbytes_of(shard)):
-            shard = cross_step(shard, offset, topology)
-    with trace.activity(f"{node}_NODE_ALLGATHER", trace.nbytes_of(flat)):
-        topology.node_allgather(flat, shard)
+        def step(shard: torch.Tensor, span: Span) -> torch.Tensor:
+            with trace.transfer(span.comm, "CROSS_ALLREDUCE", shard):
+                return span.comm.allreduce(shard, op)
+        hierarchical_(buffer.view(-1), topology, step, op, activity=None)
+        return buffer
+
+    def user_step(shard: torch.Tensor, span: Span) -> torch.Tensor:
+        return cross_step(shard, span.offset, span.topology)
+    hierarchical_(buffer.view(-1), topology, user_step, op)
     return buffer
 
 

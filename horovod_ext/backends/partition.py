@@ -20,7 +20,8 @@ def balanced_parts(sizes: Sequence[int], parts: int) -> List[List[int]]:
 
 
 #: Least bytes per rank in one step of a chunk's cross-node ring: below it a ring step costs
-#: more in per-message software time (0.05-0.2 ms for CPU Gloo) than in transfer at 10 Gbit/s.
+#: more in per-message software time (CPU Gloo's, the profile's ``message_s``) than in transfer
+#: at 10 Gbit/s.
 MIN_RING_PIECE = 64 << 10
 
 

@@ -50,6 +50,12 @@ class Topology:
     _in_node: Optional[shm.SharedMemoryGroup] = field(default=None, repr=False)
 
     @property
+    def hierarchy_applies(self) -> bool:
+        """Whether hierarchical algorithms can run: several nodes, more than one process on
+        each, and the same number on each."""
+        return self.num_nodes > 1 and self.local_size > 1 and self.is_homogeneous
+
+    @property
     def rank(self) -> int:
         return self.world.rank
 

@@ -122,8 +122,8 @@ class TorchCommunicator(Communicator):
             return super().reduce_scatter(tensor, counts, op)
         group, t, orig = self._group_for(flat)
         if group is self._cpu_group:
-            # Gloo's reduce_scatter is slower than its allreduce of the whole buffer (64 MiB at
-            # np=2 here: 86-109 ms vs 55 ms), so reduce everything and keep this rank's block.
+            # Gloo's reduce_scatter is slower than its allreduce of the whole buffer
+            # (benchmarks/allreduce.py), so reduce everything and keep this rank's block.
             whole = t.clone()
             dist.all_reduce(whole, op=_TORCH_OPS[op], group=group)
             start = sum(counts[:self.rank])
@@ -142,7 +142,7 @@ class TorchCommunicator(Communicator):
                 return t.view(torch.float16) if t is not None and t.dtype == torch.int16 else t
             return self.sendrecv(carry(send), dst, carry(recv), src)
         # The receive is posted first: over Gloo, when both peers post their send first, the two
-        # directions take turns (32 MiB each way at 1 Gbit/s: 557 ms, against 281 ms this way).
+        # directions take turns, which doubles the time of a large exchange on a slow link.
         works = []
         staged = None
         if recv is not None:

@@ -11,8 +11,9 @@ Name your requests: an unnamed call gets a fresh name, hence fresh (zero) errors
 """
 from typing import Dict, Tuple
 
-from horovod_ext.algorithms.onebit.compressed_allreduce import (ErrorFeedback, compressed_allreduce_,
-                                                                hierarchical_compressed_allreduce_)
+from horovod_ext.algorithms.onebit.compressed_allreduce import (ErrorFeedback,
+                                                                compressed_allreduce_,
+                                                                shard_lengths)
 
 from .base import Op
 from .registry import register_op
@@ -34,9 +35,14 @@ class OneBitOp(Op):
         if errors is None:
             errors = self._errors[key] = ErrorFeedback()
         lengths = [layer.numel for layer in layers]
-        if comms.hierarchical_allreduce and comms.hierarchy_applies:
-            return hierarchical_compressed_allreduce_(buffer, comms.topology, errors, lengths)
-        return compressed_allreduce_(buffer, comms.world, errors, lengths)
+
+        def step(part, span):
+            # Only the cross-node step is compressed: the node's average is exact.
+            return compressed_allreduce_(part, span.comm, errors,
+                                         shard_lengths(buffer.numel(), lengths, span.offset,
+                                                       part.numel()))
+
+        return comms.reduce(buffer, step, node_average=True)
 
     # --- inspection and checkpoints --------------------------------------------------------
     @property

@@ -15,12 +15,14 @@ every time.
 """
 from typing import Dict, Tuple
 
-from horovod_ext.algorithms.powersgd import PowerSGDState, powersgd_allreduce_
+import torch
 
-from horovod_ext.backends.base import ReduceOp
+from horovod_ext.algorithms.powersgd import PowerSGDState, powersgd_allreduce_
+from horovod_ext.backends.hierarchy import Span
+from horovod_ext.backends.partition import balanced_parts
+
 from .base import Op
 from .registry import get_op, register_op
-from horovod_ext.backends.partition import balanced_parts
 
 
 class PowerSGDOp(Op):
@@ -52,32 +54,22 @@ class PowerSGDOp(Op):
         key = tuple(layer.name for layer in layers) or ("",)
         shapes = [layer.shape for layer in layers] or [tuple(buffer.shape)]
         numels = [layer.numel for layer in layers] or [buffer.numel()]
-        flat = buffer.view(-1)
-        if not (comms.hierarchical_allreduce and comms.hierarchy_applies):
-            powersgd_allreduce_(flat, shapes, numels, comms.world, self._state(key),
-                                key="/".join(key), **self.settings)
-            return buffer
+        # Hierarchical: each rank of a node takes a share of whole layers (PowerSGD factors
+        # matrices) across nodes, so no layer crosses the network twice.
         topo = comms.topology
-        topo.node_allreduce(flat, ReduceOp.SUM).div_(topo.local_size)
-        if topo.local_size == 1:
-            powersgd_allreduce_(flat, shapes, numels, topo.cross, self._state(key),
-                                key="/".join(key), **self.settings)
-            return buffer
-        # Every rank of a node holds the node average: each takes its share of the layers
-        # across nodes (with the same local rank on the other nodes), and the shares are
-        # joined inside the node, so no layer crosses the network twice.
-        mine = balanced_parts(numels, topo.local_size)[topo.local_rank]
+        mine = (balanced_parts(numels, topo.local_size)[topo.local_rank] if comms.hierarchical
+                else list(range(len(numels))))
         start = sum(numels[:mine[0]]) if mine else 0
         end = start + sum(numels[i] for i in mine)
-        if mine:
-            part = tuple(key[i] for i in mine)
-            powersgd_allreduce_(flat[start:end], [shapes[i] for i in mine],
-                                [numels[i] for i in mine], topo.cross, self._state(part),
-                                key="/".join(part), **self.settings)
-        flat[:start].zero_()
-        flat[end:].zero_()
-        topo.node_allreduce(flat, ReduceOp.SUM)
-        return buffer
+
+        def step(part: torch.Tensor, span: Span) -> torch.Tensor:
+            names = tuple(key[i] for i in mine) if span.hierarchical else key
+            powersgd_allreduce_(part, [shapes[i] for i in mine], [numels[i] for i in mine],
+                                span.comm, self._state(names), key="/".join(names),
+                                **self.settings)
+            return part
+
+        return comms.reduce(buffer, step, node_average=True, share=(start, end))
 
     def _state(self, key: Tuple[str, ...]) -> PowerSGDState:
         state = self._states.get(key)

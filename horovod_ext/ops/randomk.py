@@ -20,11 +20,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from horovod_ext.algorithms.slamb.mask import random_k_indices, slice_indices
-from horovod_ext.algorithms.slamb.sparse import SMALL_TENSOR_NUMEL, Entry, masked_average_, syncs_in_full
-
+from horovod_ext.algorithms.slamb.sparse import (SMALL_TENSOR_NUMEL, Entry, masked_average_,
+                                                 syncs_in_full)
 from horovod_ext.backends import trace
-from horovod_ext.backends.base import ReduceOp
-from horovod_ext.backends.topology import Topology
+from horovod_ext.backends.hierarchy import Span
+
 from .base import Layer, Op
 from .registry import get_op, register_op
 
@@ -50,19 +50,13 @@ class RandomKOp(Op):
             layers = [Layer(0, flat.numel(), tuple(buffer.shape), "")]
         with trace.activity("RANDOMK_MASK"):
             masks = [self._mask(layer, flat.device) for layer in layers]
-        topo = comms.topology
-        if not (comms.hierarchical_allreduce and comms.hierarchy_applies):
-            self.bytes_sent += masked_average_(self._entries(flat, 0, layers, masks),
-                                               topo.world, topo.size)
-            return buffer
 
-        def cross_step(shard: torch.Tensor, offset: int, tp: Topology) -> torch.Tensor:
-            shard.mul_(1.0 / tp.local_size)      # node sum -> node average
-            self.bytes_sent += masked_average_(self._entries(shard, offset, layers, masks),
-                                               tp.cross, tp.cross_size)
-            return shard
+        def step(part: torch.Tensor, span: Span) -> torch.Tensor:
+            self.bytes_sent += masked_average_(self._entries(part, span.offset, layers, masks),
+                                               span.comm, span.comm.size)
+            return part
 
-        return comms.allreduce(buffer, ReduceOp.SUM, cross_step=cross_step)
+        return comms.reduce(buffer, step, node_average=True)
 
     def _mask(self, layer: Layer, device) -> Optional[torch.Tensor]:
         """Sorted indices of the layer's selected elements, None when it syncs in full."""

@@ -19,8 +19,7 @@ from horovod_ext.backends.topology import Topology
 from horovod_ext.backends.base import allreduce_average_
 
 from .compressed_allreduce import (ErrorFeedback, compressed_allreduce_,
-                                   hierarchical_average_, hierarchical_compressed_allreduce_,
-                                   hierarchy_applies)
+                                   hierarchical_average_, hierarchical_compressed_allreduce_)
 
 _COUNTERS: Dict[str, "itertools.count"] = defaultdict(itertools.count)
 
@@ -139,7 +138,7 @@ class OnebitOptimizer(torch.optim.Optimizer):
         flag = self._hierarchical
         if flag is None:
             flag = self._topology is None and context.current().hierarchical_allreduce
-        return bool(flag) and hierarchy_applies(topology)
+        return bool(flag) and topology.hierarchy_applies
 
     def _averaged_grads(self, fused: List[_Fused]) -> List[List[torch.Tensor]]:
         """Full-precision averages of the gradients (zeros where a rank has none), per fused

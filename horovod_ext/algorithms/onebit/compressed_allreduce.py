@@ -27,7 +27,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from horovod_ext.backends import trace
-from horovod_ext.backends.base import Communicator, ReduceOp, split_sizes
+from horovod_ext.backends.base import Communicator, ReduceOp
+from horovod_ext.backends.hierarchy import Span, hierarchical_
 from horovod_ext.backends.topology import Topology
 
 from .compression import (Workspace, compensate_compress_, decompress_into, packed_bytes,
@@ -219,29 +220,23 @@ def _server_average(errors: ErrorFeedback, received: torch.Tensor, all_scales: t
     return server_scales
 
 
-def hierarchy_applies(topology: Topology) -> bool:
-    """Several nodes with the same number (> 1) of processes each."""
-    return topology.num_nodes > 1 and topology.local_size > 1 and topology.is_homogeneous
-
-
 def hierarchical_compressed_allreduce_(x: torch.Tensor, topology: Topology,
                                        errors: ErrorFeedback,
                                        lengths: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """Full-precision average inside the node (reduce-scatter), 1-bit compressed average of each
-    rank's shard across nodes, all-gather inside the node; returns ``x`` (replaced in place).
-    ``errors`` then holds this rank's shard's errors."""
-    counts = split_sizes(x.numel(), topology.local_size)
-    offset = sum(counts[:topology.local_rank])
-    shard = topology.node_reduce_scatter(x, ReduceOp.SUM)
-    shard.div_(topology.local_size)
-    compressed_allreduce_(shard, topology.cross, errors,
-                          _shard_lengths(x.numel(), lengths, offset, counts[topology.local_rank]))
-    topology.node_allgather(x, shard)
-    return x
+    """Full-precision average inside the node, 1-bit compressed average of each rank's shard
+    across nodes, shards shared inside the node (``backends.hierarchy``); returns ``x``
+    (replaced in place).  ``errors`` then holds this rank's shard's errors."""
+    def step(shard: torch.Tensor, span: Span) -> torch.Tensor:
+        return compressed_allreduce_(shard, span.comm, errors,
+                                     shard_lengths(x.numel(), lengths, span.offset,
+                                                   shard.numel()))
+    return hierarchical_(x, topology, step, node_average=True)
 
 
-def _shard_lengths(numel: int, lengths: Optional[Sequence[int]], offset: int,
-                   count: int) -> Optional[List[int]]:
+def shard_lengths(numel: int, lengths: Optional[Sequence[int]], offset: int,
+                  count: int) -> Optional[List[int]]:
+    """The layer lengths inside [offset, offset + count) of a buffer of ``numel`` elements
+    with layers ``lengths`` (None: one layer)."""
     if lengths is None:
         return None
     return [length for _, length in _pieces(_bounds(numel, lengths), offset, offset + count)] \
@@ -249,13 +244,11 @@ def _shard_lengths(numel: int, lengths: Optional[Sequence[int]], offset: int,
 
 
 def hierarchical_average_(x: torch.Tensor, topology: Topology) -> torch.Tensor:
-    """Full-precision in-place average of the flat ``x`` over every rank: reduce-scatter
-    inside the node, allreduce of each rank's shard across nodes, all-gather inside the node,
-    so that a node sends its data across once (the warm-up, hierarchical)."""
-    shard = topology.node_reduce_scatter(x, ReduceOp.SUM)
-    if topology.cross.size > 1:
-        topology.cross.allreduce(shard, ReduceOp.SUM)
-    shard.div_(topology.size)
-    topology.node_allgather(x, shard)
-    return x
-
+    """Full-precision in-place average of the flat ``x`` over every rank through the
+    hierarchical skeleton, so that a node sends its data across once (the warm-up,
+    hierarchical)."""
+    def step(shard: torch.Tensor, span: Span) -> torch.Tensor:
+        if span.comm.size > 1:
+            span.comm.allreduce(shard, ReduceOp.SUM)
+        return shard.div_(span.topology.size)
+    return hierarchical_(x, topology, step)

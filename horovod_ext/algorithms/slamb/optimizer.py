@@ -171,7 +171,7 @@ class SLAMB(torch.optim.Optimizer):
         wanted = self.hierarchical
         if wanted is None:
             wanted = self._topology is None and context.current().hierarchical_allreduce
-        return bool(wanted) and topo.num_nodes > 1 and topo.local_size > 1 and topo.is_homogeneous
+        return bool(wanted) and topo.hierarchy_applies
 
     def _run(self, name: str, fn: Callable[[Topology], int], across_nodes: bool = True) -> int:
         """Run ``fn(topology)`` on every rank (through the engine unless a topology was given),
