@@ -53,12 +53,24 @@ def body_custom_cross_step():
                 return topology.cross.allreduce(shard, ReduceOp.SUM)
             return comms.allreduce(buffer, ReduceOp.SUM, cross_step=cross_step)
 
+    class StepSum(hvd.Op):          # README's example: one step, flat or hierarchical
+        name = "step_sum"
+
+        def allreduce(self, buffer, layers, comms):
+            def step(part, span):
+                seen.append(("step", span.offset, part.numel(), span.comm.size))
+                return span.comm.allreduce(part, ReduceOp.SUM)
+            return comms.reduce(buffer, step, node_average=False)
+
     op = hvd.register_op(RecordingSum())
+    hvd.register_op(StepSum())
     r, n = hvd.rank(), hvd.size()
     data = [sample(k, (10,), torch.float32, 5) for k in range(n)]
     check(hvd.allreduce(data[r], op=op), reference(data, "sum"), "custom op")
     check(hvd.allreduce(data[r], op="recording_sum", name="by_name"), reference(data, "sum"),
           "custom op by name")
+    check(hvd.allreduce(data[r], op="step_sum", name="step"), reference(data, "sum"),
+          "op with one step")
     return seen
 
 
@@ -67,8 +79,8 @@ def test_user_op_supplies_the_cross_node_step():
     out = run_ranks(body_custom_cross_step, 4, "gloo", hostnames=["a", "a", "b", "b"],
                     env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"})
     # local rank 0 owns elements 0..4, local rank 1 owns 5..9; the step runs across 2 nodes
-    assert out[0] == out[2] == [(0, 5, 2)] * 2
-    assert out[1] == out[3] == [(5, 5, 2)] * 2
+    assert out[0] == out[2] == [(0, 5, 2)] * 2 + [("step", 0, 5, 2)]
+    assert out[1] == out[3] == [(5, 5, 2)] * 2 + [("step", 5, 5, 2)]
 
 
 def body_fusion_and_cache(steps):
