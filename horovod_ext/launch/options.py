@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-filename",
                    help="also write each rank's output to DIR/rank.N/stdout and stderr")
     p.add_argument("--verbose", action="store_true", help="print what hvdrun runs")
+    _add_runtime_flags(p)
+    _add_elastic_flags(p)
+    _add_plan_flags(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
+    return p
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     tune = p.add_argument_group("runtime settings (HOROVOD_* variables for every rank)")
     tune.add_argument("--fusion-threshold-mb", type=non_negative_float,
                       help="fusion buffer size in MiB (0 disables fusion)")
@@ -129,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--stall-check-warning-time-seconds", type=positive_float)
     tune.add_argument("--stall-check-shutdown-time-seconds", type=non_negative_float)
     tune.add_argument("--log-level", type=_log_level, help=", ".join(LOG_LEVELS))
+
+
+def _add_elastic_flags(p: argparse.ArgumentParser) -> None:
     el = p.add_argument_group("elastic mode (workers may leave and join; Gloo only)")
     el.add_argument("--min-np", type=positive_int,
                     help="fewest workers to train with (default: -np)")
@@ -147,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar=("MIN", "MAX"),
                     help="a failed host may come back after a random time in [MIN, MAX] s "
                          "(default: never)")
+
+
+def _add_plan_flags(p: argparse.ArgumentParser) -> None:
     pl = p.add_argument_group(
         "scale model", "hvdrun --plan prints each op's predicted step time on a cluster (no job "
                        "starts; needs SimGrid: apt-get install python3-simgrid)")
@@ -171,8 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plan-ops", help="ops to compare, comma-separated (default: all)")
     pl.add_argument("--plan-profile", help="calibrated costs (default: the package's "
                                            "horovod_ext/planning/profile_cpu.json)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="the program and its arguments")
-    return p
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -208,25 +220,38 @@ def parse(argv=None) -> argparse.Namespace:
     if o.network_interfaces is not None and not o.interfaces:
         parser.error("--network-interfaces names no interface")
     o.elastic = bool(o.host_discovery_script or o.min_np or o.max_np)
-    if o.elastic:
-        if o.mpi:
-            parser.error("elastic mode (--min-np, --max-np, --host-discovery-script) runs over "
-                         "Gloo, not mpirun: drop --mpi")
-        if o.np is None:
-            o.np = o.min_np
-        if o.np is None:
-            parser.error("elastic mode needs -np or --min-np")
-        o.min_np = o.min_np or o.np
-        if o.max_np is not None and o.max_np < o.min_np:
-            parser.error(f"--max-np {o.max_np} is less than --min-np {o.min_np}")
-        if o.blacklist_cooldown_range and \
-                o.blacklist_cooldown_range[0] > o.blacklist_cooldown_range[1]:
-            parser.error("--blacklist-cooldown-range: MIN is larger than MAX")
-        if o.host_discovery_script:
-            if o.hosts or o.hostfile:
-                parser.error("--host-discovery-script and -H/--hostfile contradict")
-            o.host_list, o.slots = [], []
-            return o
+    if o.elastic and _check_elastic(parser, o):
+        return o
+    _place_ranks(parser, o)
+    return o
+
+
+def _check_elastic(parser: argparse.ArgumentParser, o: argparse.Namespace) -> bool:
+    """Check elastic mode's flags and fill its defaults; True when a discovery script will
+    supply the hosts (nothing to place now)."""
+    if o.mpi:
+        parser.error("elastic mode (--min-np, --max-np, --host-discovery-script) runs over "
+                     "Gloo, not mpirun: drop --mpi")
+    if o.np is None:
+        o.np = o.min_np
+    if o.np is None:
+        parser.error("elastic mode needs -np or --min-np")
+    o.min_np = o.min_np or o.np
+    if o.max_np is not None and o.max_np < o.min_np:
+        parser.error(f"--max-np {o.max_np} is less than --min-np {o.min_np}")
+    if o.blacklist_cooldown_range and \
+            o.blacklist_cooldown_range[0] > o.blacklist_cooldown_range[1]:
+        parser.error("--blacklist-cooldown-range: MIN is larger than MAX")
+    if o.host_discovery_script:
+        if o.hosts or o.hostfile:
+            parser.error("--host-discovery-script and -H/--hostfile contradict")
+        o.host_list, o.slots = [], []
+        return True
+    return False
+
+
+def _place_ranks(parser: argparse.ArgumentParser, o: argparse.Namespace) -> None:
+    """``host_list`` from -H, --hostfile or localhost, and one slot per rank."""
     try:
         if o.hosts:
             o.host_list = hostlib.parse_hosts(o.hosts)
@@ -241,7 +266,6 @@ def parse(argv=None) -> argparse.Namespace:
         o.slots = [] if o.elastic else hostlib.assign(o.host_list, o.np)
     except hostlib.HostError as exc:
         parser.error(str(exc))
-    return o
 
 
 def horovod_env(o: argparse.Namespace) -> dict:
