@@ -37,7 +37,8 @@ def body_train():
         tuner = runtime.state.autotuner
         history.append((config.fusion_threshold, config.cycle_time_ms,
                         config.gradient_bucket_bytes, engine.config.cache_capacity,
-                        engine._cycle_s, opt._hvd["bucket_cap"], len(opt._hvd["buckets"]),
+                        engine._cycle_s, opt._hvd.plan.bucket_cap,
+                        len(getattr(opt._hvd.reducer, "buckets", ())),
                         None if tuner is None else tuner.frozen,
                         engine.comms.hierarchical_allreduce, engine.comms.hierarchical_allgather))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -123,7 +123,8 @@ def body_alone():
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                    op=hvd.Average, compression=hvd.Compression.fp16,
                                    gradient_predivide_factor=4.0)
-    assert opt._hvd["alone"] and opt._hvd["buckets"] == []
+    from horovod_ext.torch.reduction import AloneReducer
+    assert opt._hvd.plan.alone and isinstance(opt._hvd.reducer, AloneReducer)   # no buckets
     engine = runtime.engine_for(0)
     submitted = []
     submit = engine.submit
@@ -214,7 +215,7 @@ def body_bucket_views():
     model, opt = make("sgd")
     ref_model, ref_opt = make("sgd")
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    buckets = opt._hvd["buckets"]
+    buckets = opt._hvd.reducer.buckets
     assert len(buckets) == 1 and len(buckets[0].params) == 6
     lossf = torch.nn.CrossEntropyLoss()
     for step in range(4):

@@ -126,8 +126,8 @@ def body_sparse_training(sparse_as_dense, opt_name):
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
     # the embedding left its gradient bucket; the dense layers still share one
-    buckets = opt._hvd["buckets"]
-    assert id(model.embedding.weight) not in opt._hvd["bucket_of"]
+    buckets = opt._hvd.reducer.buckets
+    assert id(model.embedding.weight) not in opt._hvd.reducer.bucket_of
     assert len(buckets) == (1 if opt_name == "sgd" else 0)
     return "ok"
 

@@ -5,23 +5,22 @@ of consecutive parameters out back to back in one flat buffer per bucket and poi
 parameter's ``.grad`` at its slice, as DDP's ``gradient_as_bucket_view`` does.  Autograd then
 accumulates straight into the bucket, and a bucket is reduced in place with one collective once
 all its gradients are in: no packing or unpacking copies, and a few large transfers instead of
-one per tensor (each call has a fixed latency: about 1 ms for Gloo between processes here).
+one per tensor (each call has a fixed latency, whatever its size).
 
 Buckets follow the reverse of the parameter order, the order backward produces gradients in, and
 hold up to HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
 HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
 as in Horovod).  There is no small first bucket as DDP has: a separate reduction for the last
 layers, run by this engine's Python thread while backward computes, competes with backward for
-the cores and cost more than it saved on a 2-core machine.  A ``.grad`` that is not the bucket's slice when it is ready
-(after ``zero_grad(set_to_none=True)``, the default, a user's assignment, ``create_graph``
-backward) is copied in and the slice takes its place.  The default zero_grad relies on that on
-purpose: one copy of autograd's fresh gradient costs less than zeroing the bucket and then
-accumulating into it.
+the CPU cores, and where they are few it costs more than it saves.  A ``.grad`` that is not the
+bucket's slice when it is ready (after ``zero_grad(set_to_none=True)``, the default, a user's
+assignment, ``create_graph`` backward) is copied in and the slice takes its place.  The default
+zero_grad relies on that on purpose: one copy of autograd's fresh gradient costs less than
+zeroing the bucket and then accumulating into it.
 """
 from typing import Dict, List, Sequence
 
 import torch
-
 
 
 class Bucket:
@@ -36,6 +35,8 @@ class Bucket:
         self.views: Dict[int, torch.Tensor] = {}
         offset = 0
         for p in self.params:
+            # plain slices, not split(): split's outputs are multi-output views, which
+            # autograd refuses to modify in place when a gradient itself requires grad
             self.views[id(p)] = self.flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         self.ready: set = set()   # ids of parameters whose gradient is in, this step

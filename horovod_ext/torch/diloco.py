@@ -30,6 +30,7 @@ from horovod_ext.ops import Average, get_op
 from horovod_ext.backends.partition import balanced_parts
 from horovod_ext.engine.process_sets import global_process_set
 from .mpi_ops import allreduce_async_, synchronize
+from .param_names import name_parameters
 
 
 class DiLoCo:
@@ -52,17 +53,7 @@ class DiLoCo:
         if not 0 <= mixing <= 1:
             raise ValueError(f"DiLoCo mixing must be in [0, 1], got {mixing!r}")
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(params)]
-        else:
-            named = list(named_parameters)
-            known = {id(p) for _, p in named}
-            missing = [i for i, p in enumerate(params) if id(p) not in known]
-            if missing:
-                raise ValueError(f"named_parameters does not name {len(missing)} of the "
-                                 f"optimizer's parameters (positions {missing[:10]})")
-            inner = {id(p) for p in params}
-            named = [(n, p) for n, p in named if id(p) in inner]
+        named = name_parameters(params, named_parameters)
         if not isinstance(fragments, int) or not 1 <= fragments <= min(len(named), sync_every):
             raise ValueError(f"DiLoCo fragments must be an integer from 1 to the number of "
                              f"parameters ({len(named)}) and at most sync_every ({sync_every}), "

@@ -1,0 +1,82 @@
+"""How DistributedOptimizer reduces: its typed state (state.py), one reducer class per way of
+reducing (base.py, gradients.py, local.py) and ``replan``, which chooses the reducer from the
+op's declared attributes, the world and the bucket size.  The optimizer calls ``replan`` when
+it is built and again where the choice may change: after a re-initialisation that makes the
+world one process or more, and when autotune changes the bucket size."""
+from typing import Dict, List
+
+import torch
+
+from horovod_ext.config import Config
+from horovod_ext.engine import runtime
+from .. import buckets as _buckets
+from .base import GradientReducer, Reducer
+from .gradients import BucketReducer, GroupReducer, PerTensorReducer
+from .local import AloneReducer, DeltaReducer, OutsideSetReducer
+from .state import Layout, OptimizerState, Plan, Progress, Settings
+
+__all__ = ["AloneReducer", "BucketReducer", "DeltaReducer", "GradientReducer", "GroupReducer",
+           "Layout", "OptimizerState", "OutsideSetReducer", "PerTensorReducer", "Plan",
+           "Progress", "Reducer", "Settings", "bucket_cap", "is_alone", "new_state", "replan"]
+
+
+def bucket_cap() -> int:
+    """The configured gradient bucket size in bytes (0: no buckets)."""
+    config = runtime.state.config or Config.from_env()
+    return min(config.fusion_threshold, config.gradient_bucket_bytes)
+
+
+def is_alone(settings: Settings) -> bool:
+    """One process in the set and an elementwise op: the reduction of each gradient is the
+    gradient itself (an elastic job that shrinks to one worker, or grows from it, switches at
+    its next re-initialisation)."""
+    return (settings.process_set.size() == 1 and settings.op.elementwise
+            and not settings.delta)
+
+
+def new_state(settings: Settings, params: List[torch.Tensor], names: Dict[int, str],
+              groups) -> OptimizerState:
+    """The state of a new optimizer over the trainable ``params``, its reducer chosen;
+    ``groups`` as DistributedOptimizer takes it."""
+    if groups is None and settings.op.layer_buckets:
+        # the op reduces DDP's buckets of consecutive layers together
+        groups = _buckets.partition(params, bucket_cap())
+    state = OptimizerState(settings, Layout.build(params, names, groups),
+                           Progress(generation=runtime.state.generation))
+    replan(state)
+    return state
+
+
+def replan(state: OptimizerState) -> None:
+    """Choose the reducer for the current world and bucket size; it starts with nothing in
+    flight."""
+    alone, cap = is_alone(state.settings), bucket_cap()
+    state.plan = Plan(reducer=_choose(state, alone, cap), alone=alone, bucket_cap=cap)
+
+
+def _choose(state: OptimizerState, alone: bool, cap: int) -> Reducer:
+    settings = state.settings
+    if not settings.member:
+        return OutsideSetReducer(state)
+    if settings.delta:
+        return DeltaReducer(state)
+    if alone:
+        return AloneReducer(state)
+    planned = _plan_buckets(state, cap)
+    if planned:
+        return BucketReducer(state, planned)
+    if state.layout.groups:
+        return GroupReducer(state)
+    return PerTensorReducer(state)
+
+
+def _plan_buckets(state: OptimizerState, cap: int) -> List[_buckets.Bucket]:
+    """Gradient buckets of up to ``cap`` bytes, where they change nothing but speed: an
+    elementwise op (per-layer ops such as Adasum or 1-bit need tensor boundaries), no explicit
+    ``groups``, fusion on, dense strided parameters; sparse ones left the buckets for good."""
+    settings, layout = state.settings, state.layout
+    params = [p for p in layout.params if id(p) not in layout.sparse]
+    if (settings.explicit_groups or not settings.op.elementwise or cap == 0 or not params
+            or not _buckets.eligible(params)):
+        return []
+    return _buckets.plan(params, cap)

@@ -1,0 +1,116 @@
+"""DistributedOptimizer's state, one typed object in groups: the settings it was built with, the
+parameters and how their gradients are grouped, the progress of the step in progress, and the
+plan (which reducer reduces, for which bucket size and world)."""
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Type
+
+import torch
+
+from horovod_ext.engine.process_sets import ProcessSet
+from horovod_ext.ops.base import Op
+from ..compression import Compressor
+
+if TYPE_CHECKING:
+    from .base import Reducer
+
+
+@dataclass
+class Settings:
+    """What the optimizer was asked for; fixed once it is built."""
+    op: Op
+    compression: Type[Compressor]
+    process_set: ProcessSet
+    backward_passes_per_step: int = 1
+    # Horovod's gradient_predivide_factor: an averaging op divides by it before the reduction
+    # and multiplies after, so that sums of large gradients stay in range.
+    predivide: float = 1.0
+    sparse_as_dense: bool = False
+    # The user passed ``groups=``: the grouping is theirs, so no gradient buckets regroup it.
+    explicit_groups: bool = False
+    # A rank outside the process set trains on its own gradients, as in Horovod.
+    member: bool = True
+    # The op reduces the change of the parameters after a local step (``op.wants_delta``).
+    delta: bool = False
+
+    def scales(self):
+        """The (prescale, postscale) factors of every request."""
+        if self.op.averages and self.predivide != 1.0:
+            return 1.0 / self.predivide, self.predivide
+        return 1.0, 1.0
+
+
+@dataclass
+class Layout:
+    """The trainable parameters, their request names and their reduction groups."""
+    params: List[torch.Tensor]                     # in param_groups order
+    names: Dict[int, str]                          # id(param) -> request name
+    groups: Dict[int, int] = field(default_factory=dict)      # id(param) -> group index
+    group_members: Dict[int, List[torch.Tensor]] = field(default_factory=dict)
+    # id(param) -> sparse_dim of the sparse gradients it had: kept for good, since such a
+    # parameter leaves the buckets and is reduced as sparse (or zeros of its kind) from then on
+    sparse: Dict[int, int] = field(default_factory=dict)
+    step_bytes: int = 0                            # what a step reduces, for autotune
+
+    @classmethod
+    def build(cls, params: List[torch.Tensor], names: Dict[int, str], groups) -> "Layout":
+        """``groups``: None, an int (that many groups) or lists of parameters."""
+        mapping = group_map(params, groups)
+        members: Dict[int, List[torch.Tensor]] = {}
+        for p in params:
+            gi = mapping.get(id(p))
+            if gi is not None:
+                members.setdefault(gi, []).append(p)
+        return cls(params=params, names=names, groups=mapping, group_members=members,
+                   step_bytes=sum(p.numel() * p.element_size() for p in params))
+
+
+def group_map(params: List[torch.Tensor], groups) -> Dict[int, int]:
+    """id(param) -> group index, from an int (that many groups) or lists of parameters."""
+    if groups is None:
+        return {}
+    if isinstance(groups, int):
+        if groups < 1:
+            raise ValueError("groups must be a positive int or a list of parameter lists")
+        size = -(-len(params) // groups)
+        return {id(p): i // size for i, p in enumerate(params)}
+    mapping = {}
+    for gi, group in enumerate(groups):
+        for p in group:
+            if id(p) in mapping:
+                raise ValueError("a parameter appears in two groups")
+            mapping[id(p)] = gi
+    return mapping
+
+
+@dataclass
+class Progress:
+    """Where the step in progress stands.  Kept here, not in a reducer, so that it outlives a
+    new plan (autotune changing the bucket size between steps)."""
+    generation: int                # the hvd.init() whose engine the requests in flight belong to
+    passes: Dict[int, int] = field(default_factory=dict)   # id(param) -> backward passes so far
+    synchronized: bool = False     # synchronize() ran since the last step()
+    skip_sync: bool = False        # inside ``with skip_synchronize():``
+    local_steps: int = 0           # delta mode: local steps since the last reduction
+    starts: Optional[List[torch.Tensor]] = None   # delta mode: parameters at the last reduction
+
+
+@dataclass
+class Plan:
+    """The reducer chosen for the world and bucket size it was chosen for."""
+    reducer: "Reducer"
+    alone: bool                    # one process and an elementwise op: nothing to reduce
+    bucket_cap: int                # bytes per gradient bucket, 0: none
+
+
+@dataclass
+class OptimizerState:
+    """Everything DistributedOptimizer keeps (``optimizer._hvd``)."""
+    settings: Settings
+    layout: Layout
+    progress: Progress
+    plan: Optional[Plan] = None
+    hooks: list = field(default_factory=list)     # the post-accumulate-grad hook handles
+
+    @property
+    def reducer(self) -> "Reducer":
+        return self.plan.reducer
