@@ -156,6 +156,12 @@ def test_bad_settings():
         hvd.DiLoCo(sgd, mixing=1.5)
     with pytest.raises(ValueError, match="does not name 2"):
         hvd.DiLoCo(sgd, named_parameters=list(model.named_parameters())[:2])
+    # the same check as DistributedOptimizer's (torch/param_names.py)
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="duplicate names"):
+        hvd.DiLoCo(sgd, named_parameters=[(named[0][0], p) for _, p in named])
+    with pytest.raises(ValueError, match=r"\(name, parameter\) tuples"):
+        hvd.DiLoCo(sgd, named_parameters=[p for _, p in named])
 
 
 def body_onebit():

@@ -5,4 +5,4 @@ Layer 3 (with ``ops``): it finds ops only through the registry and reaches the n
 through ``backends``.  The torch API (layer 4) submits requests here and waits on handles.
 """
 # flake8: noqa: F401 - the names the torch API uses
-from .core import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request
+from .requests import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request

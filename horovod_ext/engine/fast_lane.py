@@ -5,19 +5,22 @@ addresses).  After such a request has completed once through the general path (n
 cached, executed), the engine keeps a ``CachedAllreduce`` for its name: the cycle message that
 announces it by cache id, its layer table, and, in place on MPI, the data call of an elementwise
 op prepared by address, so that no torch op runs around the transfer (right after a large
-transfer each one costs tens of microseconds here).  The next identical call, made while the
-engine is idle, sends that message; when every rank sent the same one, the request runs at
-once.  Otherwise it joins the general path where the message left it, so mismatches and
-stragglers are handled exactly as before.
+transfer each one is slow: the transfer has evicted the caches).  The next identical call, made
+while the engine is idle, sends that message; when every rank sent the same one, the request
+runs at once.  Otherwise it joins the general path where the message left it, so mismatches and
+stragglers are handled exactly as before.  ``Plans`` keeps an engine's plans, by name.
 """
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from horovod_ext.backends import trace
 from horovod_ext.backends.collectives import Collectives
-from .fusion import layers_of
 from horovod_ext.ops import Op, reduce_flat
+from . import wire
+from .fusion import layers_of
+from .negotiation import ResponseCache
+from .requests import Request
 
 Key = Tuple
 
@@ -60,7 +63,7 @@ class CachedAllreduce:
                                                                       op.reduce_op)
 
     def run(self, tensor: torch.Tensor) -> None:
-        """Reduce ``tensor`` in place, as the engine would (``Engine._run_allreduce``); for a
+        """Reduce ``tensor`` in place, as the engine would (``Executor._run_allreduce``); for a
         plan that is not in place, ``tensor`` is the copy that becomes the result."""
         if self._prepared is not None:
             with trace.transfer(self._comms.world, "ALLREDUCE", tensor):
@@ -72,3 +75,35 @@ class CachedAllreduce:
         result = reduce_flat(op, buffer, self._layers, self._comms, prescale, postscale)
         if result.data_ptr() != buffer.data_ptr():
             buffer.copy_(result)
+
+
+class Plans:
+    """One engine's plans, by request name.  A plan lives as long as its response-cache entry:
+    the cache is identical on every rank, so every rank's plan for a name sends the same id."""
+
+    def __init__(self, comms: Collectives, cache: ResponseCache):
+        self.by_name: Dict[str, CachedAllreduce] = {}
+        self._comms = comms
+        self._cache = cache
+
+    def usable(self, name: str, key: Key) -> Optional[CachedAllreduce]:
+        """The plan for a call of ``name`` with ``key``, while its cache entry stands."""
+        plan = self.by_name.get(name)
+        if plan is None or plan.key != key or self._cache.by_id.get(plan.cid) is not plan.entry:
+            return None
+        return plan
+
+    def keep(self, request: Request, tensor: torch.Tensor, capacity: int):
+        """After a synchronous allreduce of one tensor: what its next identical call needs."""
+        cid = self._cache.by_name.get(request.name)
+        if cid is None:
+            return
+        entry = self._cache.by_id[cid]
+        plan = self.by_name.get(request.name)
+        if plan is not None and plan.key == request.lane_key and plan.entry is entry:
+            return
+        if len(self.by_name) >= capacity:
+            self.by_name.clear()
+        self.by_name[request.name] = CachedAllreduce(
+            request.lane_key, cid, entry, wire.encode([cid], [], False, []), request.name,
+            tensor, self._comms)

@@ -22,7 +22,8 @@ from horovod_ext.backends.control import ControlChannel
 from horovod_ext.backends.topology import Topology
 from horovod_ext.backends.collectives import Collectives
 from horovod_ext.config import Config, ConfigError
-from .core import Engine, HorovodInternalError, Request
+from .engine import Engine
+from .requests import HorovodInternalError, Request
 
 _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
            "warning": logging.WARNING, "error": logging.ERROR, "fatal": logging.CRITICAL}
@@ -216,9 +217,8 @@ def _start_engine(topology: Topology, transport: str, config: Config):
 
 
 def _control_channel(transport: str, world, config: Config):
-    """The engine's negotiation channel: MPI's own messages under MPI (a round is ~4 us on one
-    host where TCP takes ~50 us), a TCP star beside Gloo (whose small-message latency is
-    0.3-2 ms here)."""
+    """The engine's negotiation channel: MPI's own messages under MPI (a round costs far less
+    than over TCP), a TCP star beside Gloo (whose own small messages are slow)."""
     if transport == "mpi":
         from horovod_ext.backends.control_mpi import MPIControlChannel
         return MPIControlChannel.connect(world.comm, config.timeout_s)
