@@ -16,12 +16,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import autotune, timeline
 from horovod_ext.backends import bootstrap, context
+from horovod_ext.backends.collectives import Collectives
 from horovod_ext.backends.control import ControlChannel
 from horovod_ext.backends.topology import Topology
-from horovod_ext.backends.collectives import Collectives
 from horovod_ext.config import Config, ConfigError
+from horovod_ext.ops import reset_all as reset_all_ops
+
+from . import autotune, timeline
 from .engine import Engine
 from .requests import HorovodInternalError, Request
 
@@ -52,18 +54,33 @@ class _State:
     def __init__(self):
         self.lock = threading.RLock()
         self.config: Optional[Config] = None
-        self.topology: Optional[Topology] = None
         self.comms: Optional[Collectives] = None
-        self.control: Optional[ControlChannel] = None
-        self.engine: Optional[Engine] = None
         self.transport: Optional[str] = None
         self.owns_torch_dist = False
         self.atexit_registered = False
-        self.sets: Dict[int, _SetRuntime] = {}   # process set id -> its runtime (0: the world)
+        # process set id -> its runtime; the world is process set 0, registered by init
+        self.sets: Dict[int, _SetRuntime] = {}
         self.next_set_id = 1
         self.generation = 0   # counts inits: work begun before the latest one is void
+        self.last_world_size = 0   # the world's size at the latest init (0: none yet)
         self.clock_zero_ns = 0   # time.time_ns() here at rank 0's init (the timeline's zero)
         self.autotuner: Optional[autotune.Autotuner] = None
+
+    # The world's runtime, read through process set 0.
+    @property
+    def engine(self) -> Optional[Engine]:
+        world = self.sets.get(0)
+        return None if world is None else world.engine
+
+    @property
+    def topology(self) -> Optional[Topology]:
+        world = self.sets.get(0)
+        return None if world is None else world.topology
+
+    @property
+    def control(self) -> Optional[ControlChannel]:
+        world = self.sets.get(0)
+        return None if world is None else world.control
 
 
 state = _State()
@@ -116,7 +133,8 @@ def init(comm=None):
         world = bootstrap.create_world(transport, config.timeout_s, use_nccl, mpi_comm=comm)
         _setup_logging(config, world.rank)
         topology = Topology.build(world, bootstrap.hostname())
-        state.config, state.topology = config, topology
+        state.config = config
+        state.sets, state.next_set_id = {0: _SetRuntime(list(range(world.size)), topology)}, 1
         try:
             state.clock_zero_ns = _clock_zero(world)
             # Before the engine runs: a faster rank's first submission reaches this rank's
@@ -126,12 +144,14 @@ def init(comm=None):
             control, comms, engine = _start_engine(topology, transport, config)
         except BaseException:
             timeline.stop()
-            state.topology = None
+            state.sets = {}
             raise
-        state.comms, state.control, state.transport = comms, control, transport
+        state.comms, state.transport = comms, transport
+        state.sets[0].control, state.sets[0].engine = control, engine
         state.owns_torch_dist = transport == "gloo" and not had_dist
-        state.engine = engine
-        state.sets, state.next_set_id = {}, 1
+        if state.last_world_size and state.last_world_size != world.size:
+            reset_all_ops()   # their state (error feedback, factors) belongs to the old world
+        state.last_world_size = world.size
         state.generation += 1
         state.autotuner = None
         if config.autotune:
@@ -231,21 +251,18 @@ def shutdown():
         if state.engine is None:
             return
         errors = []
+        world = state.sets.pop(0)
         for set_runtime in state.sets.values():
             errors += set_runtime.close()
         state.sets = {}
-        engine, state.engine = state.engine, None
-        engine.shutdown()
+        errors += world.close()
         timeline.stop()
-        state.control.close()
-        state.topology.close()
         if state.owns_torch_dist:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
-        state.topology = state.comms = state.control = None
+        state.comms = None
         context.set_context(None)
-    errors += engine.shutdown_errors
     if errors:
         raise HorovodInternalError("; ".join(errors))
 
@@ -290,8 +307,8 @@ def remove_process_set(set_id: int) -> bool:
         if any(i != set_id for i in everyone):
             differ = "; ".join(f"rank {r}: id {i}" for r, i in enumerate(everyone))
             return f"hvd.remove_process_set was called for different sets on different ranks ({differ})"
-        set_runtime = state.sets.pop(set_id, None)
-        if set_runtime is None:
+        set_runtime = state.sets.pop(set_id, None) if set_id else None
+        if set_runtime is None:     # the world (set 0) is not removed
             return False
         errors = set_runtime.close()
         if errors:
@@ -311,8 +328,8 @@ def allgather_object(obj, name: str) -> list:
 
 def process_set_ranks(set_id: int) -> Optional[List[int]]:
     """The world ranks of registered set ``set_id`` (0: the world); None when unknown."""
-    if set_id == 0:
-        return list(range(topology().size))
+    if state.engine is None and set_id == 0:
+        raise NotInitializedError()
     set_runtime = state.sets.get(set_id)
     return None if set_runtime is None else list(set_runtime.ranks)
 
@@ -320,12 +337,12 @@ def process_set_ranks(set_id: int) -> Optional[List[int]]:
 def set_topology(set_id: int) -> Topology:
     """The topology of process set ``set_id`` on this rank (a ValueError where it is not a
     member or the set is not registered)."""
-    return _member_runtime(set_id).topology if set_id else topology()
+    return _member_runtime(set_id).topology
 
 
 def engine_for(set_id: int) -> Engine:
     """The engine of process set ``set_id`` (0: the world)."""
-    return _member_runtime(set_id).engine if set_id else engine()
+    return _member_runtime(set_id).engine
 
 
 def _member_runtime(set_id: int) -> _SetRuntime:
