@@ -1,6 +1,6 @@
 /* LAMB's per-element step on the CPU, for float32 and float64, in two passes over a tensor
- * instead of about fifteen torch operations; hvd.Lamb (horovod_ext/backends/lamb.py) and SLAMB
- * (slamb/optimizer.py, Algorithm 1, lines 10-19) share it:
+ * instead of about fifteen torch operations; hvd.Lamb (horovod_ext/algorithms/lamb.py) and SLAMB
+ * (slamb/update.py, Algorithm 1, lines 10-19) share it:
  *   pass 1 (hx_lamb_moments_*): v = beta2 v + (1 - beta2) g^2; for SLAMB's staleness c (NULL for
  *     LAMB): c = beta3 c, then 1 at the selected elements (line 13); u = m^ / (sqrt(v^) + eps)
  *     + weight_decay x (lines 11-12); the sums of x^2 and u^2 over the tensor and over its

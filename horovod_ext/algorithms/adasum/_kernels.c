@@ -9,7 +9,7 @@
  * A segment is three int64: start (element of the vectors), length, layer (row of the tables).
  * Sums are float64 whatever the input type.  float32 dots multiply and add in float32 over
  * short blocks and carry each block's partial sums into float64: converting every element to
- * float64 first made the kernel conversion-bound (2.4x slower), and the blocks keep the
+ * float64 first made the kernel conversion-bound (much slower), and the blocks keep the
  * relative error near 1e-9, far inside Adasum's 1e-5.  target_clones picks the AVX2+FMA build
  * where the CPU has it, at load time.
  */

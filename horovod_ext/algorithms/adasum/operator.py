@@ -103,9 +103,9 @@ def _kernel(what: str, a: torch.Tensor, b: torch.Tensor):
 
 class Kernels:
     """The C kernels of one dtype called on addresses: the hot loops of RVH and of the pair
-    exchange run on pieces of one buffer, and every torch op (a slice, a small table) costs
-    several microseconds right after a large transfer has evicted the caches, which at 1 MiB
-    added up to more than the arithmetic.  Tables are numpy float64 arrays."""
+    exchange run on pieces of one buffer, and every torch op (a slice, a small table) is slow
+    right after a large transfer has evicted the caches: on mid-sized buffers those costs added
+    up to more than the arithmetic.  Tables are numpy float64 arrays."""
 
     __slots__ = ("itemsize", "_dots", "_combine")
 

@@ -26,14 +26,14 @@ from horovod_ext.backends import trace
 from horovod_ext.backends.base import Communicator
 
 from .gather import gather_adasum_, largest_power_of_two
-from .operator import (WORKSPACE, Kernels, LayerMap, Piece, coefficients, combine_, kernels_for,
+from .operator import (WORKSPACE, Kernels, LayerMap, coefficients, combine_, kernels_for,
                        partial_dots)
 
 # Bytes a rank may receive from the others for the gather path (see gather.py): below this its
 # single collective beats RVH's 2 log2(n) + 1 synchronisation points.  At n = 2 RVH, with its
 # exchanges prepared once and its arithmetic on addresses (_Schedule), beats the single
-# exchange at every size measured (4 KiB: 1.29x Sum against 1.49x; 1 MiB: 1.21x against
-# 1.48x), so two ranks always take RVH.  GATHER_LIMIT for n > 2 predates that change.
+# exchange at every size measured, so two ranks always take RVH.  GATHER_LIMIT for n > 2
+# predates that change.
 GATHER_LIMIT = 1 << 20
 PAIR_GATHER_LIMIT = 0
 
@@ -169,7 +169,7 @@ class _Level:
         # Both partners hold the same range, so they agree on the count; the kept and the sent
         # half (one element longer or shorter) are each cut into that many chunks, and
         # chunk i of one rank's sent half is chunk i of its partner's kept half.
-        # Only where an exchange is prepared by address (MPI: a few microseconds each); a Gloo
+        # Only where an exchange is prepared by address (MPI: cheap per exchange); a Gloo
         # exchange is a round of its own.
         half = (max(keep[1], send[1]) - min(keep[0], send[0])) // 2
         count = max(1, min(MAX_CHUNKS, half // CHUNK_ELEMENTS)) if comm.prepared_by_address else 1

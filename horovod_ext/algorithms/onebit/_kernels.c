@@ -3,7 +3,7 @@
  * one pass, decompression, and the deferred error update.
  *
  * Plain C with no Python API, loaded through ctypes (horovod_ext/backends/native.py); the torch
- * code in compression.py does the same where this library is not built.  Bit i of byte k holds
+ * code in torch_code.py does the same where this library is not built.  Bit i of byte k holds
  * element 8k + i and is set when the value's sign bit is clear (zero encodes as +1).  Every value
  * is computed with the same IEEE operations, in the same order, as the torch code, so the two
  * give the same bits; only the sums of squares differ: here float64 over eight fixed lanes

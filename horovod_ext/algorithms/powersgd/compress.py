@@ -134,6 +134,52 @@ def _ring_bytes(numel: int, element_size: int, size: int) -> int:
     return 2 * (size - 1) * numel * element_size // size
 
 
+def _add_error(buffer: torch.Tensor, state: PowerSGDState) -> torch.Tensor:
+    """Step 1: the buffer plus this rank's error, and a copy of that sum (``M``)."""
+    if state.error is None:
+        state.error = torch.zeros_like(buffer)
+    buffer.add_(state.error)
+    return buffer.clone()
+
+
+def _factor_views(buffer: torch.Tensor, p: torch.Tensor, state: PowerSGDState, plan: _Plan,
+                  warm_start: bool, seed: int, key: str, round_index: int) -> list:
+    """Per batch of matrices: (the matrices as b x n x m, its P in ``p``, its Q in the Q memory,
+    the batch); fills the Q memory with the same random numbers on every rank when fresh."""
+    fresh = state.q is None or not warm_start
+    if state.q is None:
+        state.q = torch.empty(plan.q_numel, dtype=buffer.dtype, device=buffer.device)
+    if fresh:
+        state.q.copy_(_random_q(plan.q_numel, seed, key, round_index, buffer.dtype,
+                                buffer.device))
+    views = []
+    for batch in plan.matrices:
+        b, n, m, r = len(batch.offsets), batch.n, batch.m, batch.r
+        if b == 1:     # the buffer's own slice: the result is written in place
+            mat = buffer[batch.offsets[0]:batch.offsets[0] + n * m].view(1, n, m)
+        else:          # matrices of one shape stacked, for one bmm instead of b
+            mat = torch.stack([buffer[o:o + n * m].view(n, m) for o in batch.offsets])
+        pv = p[batch.p_at:batch.p_at + b * n * r].view(b, n, r)
+        qv = state.q[batch.q_at:batch.q_at + b * m * r].view(b, m, r)
+        views.append((mat, pv, qv, batch))
+    return views
+
+
+def _send_q_and_rebuild(buffer: torch.Tensor, views: list, state: PowerSGDState,
+                        comm: Communicator, orthogonalization_epsilon: float) -> None:
+    """Q = M^T P (P orthogonalised) averaged over ``comm``, then M = P Q^T in the buffer."""
+    with trace.activity("POWERSGD_Q", state.q.numel() * state.q.element_size()):
+        for mat, pv, qv, _ in views:
+            orthogonalize_(pv, orthogonalization_epsilon)
+            torch.bmm(mat.transpose(1, 2), pv, out=qv)
+        allreduce_average_(state.q, comm)
+    for mat, pv, qv, batch in views:
+        torch.bmm(pv, qv.transpose(1, 2), out=mat)
+        if len(batch.offsets) > 1:
+            for o, result in zip(batch.offsets, mat):
+                buffer[o:o + batch.n * batch.m].copy_(result.view(-1))
+
+
 def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
                         numels: Sequence[int], comm: Communicator, state: PowerSGDState,
                         rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
@@ -154,10 +200,7 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
                            batch_tensors_with_same_shape, buffer.device)
     plan = state.plan
     if use_error_feedback:
-        if state.error is None:
-            state.error = torch.zeros_like(buffer)
-        buffer.add_(state.error)
-        before = buffer.clone()
+        before = _add_error(buffer, state)
     # The tensors averaged in full travel in the same allreduce as P (a sum: P is
     # orthogonalised next, so it need not be averaged): one collective fewer per round.
     full = plan.full.numel()
@@ -165,22 +208,8 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
     torch.index_select(buffer, 0, plan.full, out=first[:full])
     views = []
     if plan.matrices:
-        fresh = state.q is None or not warm_start
-        if state.q is None:
-            state.q = torch.empty(plan.q_numel, dtype=buffer.dtype, device=buffer.device)
-        if fresh:
-            state.q.copy_(_random_q(plan.q_numel, seed, key, round_index, buffer.dtype,
-                                    buffer.device))
-        p = first[full:]
-        for batch in plan.matrices:
-            b, n, m, r = len(batch.offsets), batch.n, batch.m, batch.r
-            if b == 1:     # the buffer's own slice: the result is written in place
-                mat = buffer[batch.offsets[0]:batch.offsets[0] + n * m].view(1, n, m)
-            else:          # matrices of one shape stacked, for one bmm instead of b
-                mat = torch.stack([buffer[o:o + n * m].view(n, m) for o in batch.offsets])
-            pv = p[batch.p_at:batch.p_at + b * n * r].view(b, n, r)
-            qv = state.q[batch.q_at:batch.q_at + b * m * r].view(b, m, r)
-            views.append((mat, pv, qv, batch))
+        views = _factor_views(buffer, first[full:], state, plan, warm_start, seed, key,
+                              round_index)
     with trace.activity("POWERSGD_FULL_AND_P", first.numel() * first.element_size()):
         for mat, pv, qv, _ in views:
             orthogonalize_(qv, orthogonalization_epsilon)
@@ -189,16 +218,7 @@ def powersgd_allreduce_(buffer: torch.Tensor, shapes: Sequence[Tuple[int, ...]],
         first[:full].div_(comm.size)
         buffer.index_copy_(0, plan.full, first[:full])
     if plan.matrices:
-        with trace.activity("POWERSGD_Q", state.q.numel() * state.q.element_size()):
-            for mat, pv, qv, _ in views:
-                orthogonalize_(pv, orthogonalization_epsilon)
-                torch.bmm(mat.transpose(1, 2), pv, out=qv)
-            allreduce_average_(state.q, comm)
-        for mat, pv, qv, batch in views:
-            torch.bmm(pv, qv.transpose(1, 2), out=mat)
-            if len(batch.offsets) > 1:
-                for o, result in zip(batch.offsets, mat):
-                    buffer[o:o + batch.n * batch.m].copy_(result.view(-1))
+        _send_q_and_rebuild(buffer, views, state, comm, orthogonalization_epsilon)
     state.bytes_sent += _ring_bytes(full + plan.p_numel + plan.q_numel, buffer.element_size(),
                                     comm.size)
     if use_error_feedback:

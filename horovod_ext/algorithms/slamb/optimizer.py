@@ -47,7 +47,6 @@ the wasted first sync).  The result is the same as without overlap (one allreduc
 instead of one per step: the same sums).
 """
 import itertools
-import math
 import threading
 import time
 import weakref
@@ -56,16 +55,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from horovod_ext.backends import context
-from horovod_ext.backends import native
-from horovod_ext.algorithms.lamb import (KERNELS, bias_corrections, check_lamb_args, lamb_update,
-                                         trust_ratio)
 from horovod_ext.backends.topology import Topology
 
-from .mask import random_k_indices, split_indices
-from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_, syncs_in_full
-
-SCALINGS = ("algorithm", "simplified")
-
+from .arguments import check_slamb_args
+from .layout import backward_buckets, mask_pieces
+from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_
+from .update import native_update_, torch_update_
 
 
 def _remove_hooks(handles) -> None:
@@ -99,23 +94,8 @@ class SLAMB(torch.optim.Optimizer):
                  small_tensor_numel: int = SMALL_TENSOR_NUMEL, seed: int = 0,
                  topology: Optional[Topology] = None, overlap: bool = True,
                  bucket_bytes: int = 16 << 20, backward_passes_per_step: int = 1):
-        check_lamb_args(lr, betas, eps, weight_decay, min_coeff, max_coeff)
-        if not 0.0 <= beta3 <= 1.0:
-            raise ValueError(f"invalid beta3 {beta3!r}: must be in [0, 1] (paper: 0.93-0.95)")
-        if not 0.0 < ratio <= 1.0:
-            raise ValueError(f"invalid ratio {ratio!r}: the fraction k of elements synchronised "
-                             f"per step must be in (0, 1]")
-        if int(sync_interval) != sync_interval or sync_interval < 1:
-            raise ValueError(f"invalid sync_interval {sync_interval!r}: a number of steps >= 1")
-        if scaling not in SCALINGS:
-            raise ValueError(f"invalid scaling {scaling!r}: one of {SCALINGS}")
-        if total_steps is not None and total_steps < 1:
-            raise ValueError(f"invalid total_steps {total_steps!r}")
-        if int(backward_passes_per_step) != backward_passes_per_step or backward_passes_per_step < 1:
-            raise ValueError(f"invalid backward_passes_per_step {backward_passes_per_step!r}: "
-                             f"a number of backward passes >= 1")
-        if bucket_bytes < 0:
-            raise ValueError(f"invalid bucket_bytes {bucket_bytes!r}: >= 0 (0: one tensor each)")
+        check_slamb_args(lr, betas, beta3, eps, weight_decay, ratio, sync_interval, min_coeff,
+                         max_coeff, scaling, total_steps, backward_passes_per_step, bucket_bytes)
         defaults = dict(lr=lr, betas=tuple(betas), beta3=beta3, eps=eps,
                         weight_decay=weight_decay, min_coeff=min_coeff, max_coeff=max_coeff,
                         bias_correction=bias_correction, eps_inside_sqrt=eps_inside_sqrt)
@@ -152,16 +132,19 @@ class SLAMB(torch.optim.Optimizer):
         # request names must differ between optimizers alive at once (in the same order on
         # every rank, as the optimizers are made)
         self._name = f"SLAMB{next(SLAMB._instances)}"
-        self._hooks = []
-        if self.overlap:
-            ref = weakref.ref(self)   # the hooks must not keep the optimizer alive
+        self._hooks = self._register_hooks() if self.overlap else []
 
-            def hook(p, ref=ref):
-                opt = ref()
-                if opt is not None:
-                    opt._on_gradient(p)
-            self._hooks = [p.register_post_accumulate_grad_hook(hook) for p, _ in self._params()]
-            weakref.finalize(self, _remove_hooks, list(self._hooks))
+    def _register_hooks(self) -> list:
+        """A gradient hook per parameter that starts its bucket (see ``_on_gradient``)."""
+        ref = weakref.ref(self)   # the hooks must not keep the optimizer alive
+
+        def hook(p, ref=ref):
+            opt = ref()
+            if opt is not None:
+                opt._on_gradient(p)
+        hooks = [p.register_post_accumulate_grad_hook(hook) for p, _ in self._params()]
+        weakref.finalize(self, _remove_hooks, list(hooks))
+        return hooks
 
     # --- communication ------------------------------------------------------------------------
     def _topo(self) -> Topology:
@@ -231,21 +214,9 @@ class SLAMB(torch.optim.Optimizer):
                 return layout
             topo = self._topo()
             hier = self._uses_hierarchy(topo)
-            full = [syncs_in_full(p.shape, self.small_tensor_numel) for p, _ in params]
-            sparse_sizes = [p.numel() for (p, _), f in zip(params, full) if not f]
-            idx = random_k_indices(sum(sparse_sizes), self.ratio, self.seed, t, "SLAMB",
-                                   params[0][0].device if params else None)
-            pieces = iter(split_indices(idx, sparse_sizes))
-            local_idx = [None if f else next(pieces).to(p.device)
-                         for (p, _), f in zip(params, full)]
-            buckets: List[List[int]] = []
-            size = self.bucket_bytes
-            for i in reversed(range(len(params))):   # backward produces the last layers first
-                if size >= self.bucket_bytes or not buckets:
-                    buckets.append([])
-                    size = 0
-                buckets[-1].append(i)
-                size += params[i][0].numel() * params[i][0].element_size()
+            tensors = [p for p, _ in params]
+            local_idx = mask_pieces(tensors, self.small_tensor_numel, self.ratio, self.seed, t)
+            buckets = backward_buckets(tensors, self.bucket_bytes)
             for p, _ in params:
                 self._init_state(p)
             layout = self._layout = {
@@ -393,97 +364,14 @@ class SLAMB(torch.optim.Optimizer):
         for (p, group), g, i in zip(params, grads, layout["local_idx"]):
             state = self.state[p]
             state["step"] += 1
-            if self.native_kernels and self._native_update(p, g, i, group, n):
-                continue
-            beta1, beta2 = group["betas"]
-            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)   # line 10
-            c = state["staleness"]                                               # line 13
-            if i is None:
-                c.fill_(1.0)
-            else:
-                c.mul_(group["beta3"]).view(-1).index_fill_(0, i, 1.0)
-            u = lamb_update(p, state["exp_avg"], state["exp_avg_sq"], state["step"],     # 11-12
-                            beta1, beta2, group["eps"], group["weight_decay"],
-                            group["bias_correction"], group["eps_inside_sqrt"])
-            p.addcmul_(u, self._coefficients(p, u, c, i, group, n), value=-1.0)      # 14-19
+            if not (self.native_kernels                                          # lines 10-19
+                    and native_update_(p, g, i, state, group, n, self.scaling)):
+                torch_update_(p, g, i, state, group, n, self.scaling)
         self._step = t
         self._since_sync += 1
         if self._since_sync >= self.sync_interval or t == self.total_steps:          # 21-22
             self.average_parameters()
         return loss
-
-    def _coefficients(self, p: torch.Tensor, u: torch.Tensor, c: torch.Tensor,
-                      idx: Optional[torch.Tensor], group: Dict[str, Any], n: int) -> torch.Tensor:
-        """eta~ phi~ / ||u|| (algorithm) or eta~ phi~ (simplified): per element, or one 0-d
-        tensor for a tensor synchronised in full (c = 1)."""
-        dtype = torch.promote_types(p.dtype, torch.float32)
-        x_sq = torch.linalg.vector_norm(p, dtype=dtype).square()
-        u_sq = torch.linalg.vector_norm(u, dtype=dtype).square()
-        if idx is None:
-            xm_sq, um_sq = x_sq, u_sq
-        else:
-            xm_sq = torch.linalg.vector_norm(p.view(-1).index_select(0, idx), dtype=dtype).square()
-            um_sq = torch.linalg.vector_norm(u.view(-1).index_select(0, idx), dtype=dtype).square()
-        rest = 0 if idx is None else p.numel() - idx.numel()
-        a, b, cc = self._coefficient_terms(x_sq, u_sq, xm_sq, um_sq, rest, group, n)
-        if idx is None:     # c = 1 everywhere: eta~ phi~ = lr phi_max
-            return a.to(p.dtype)
-        coeff = torch.addcmul(b.to(p.dtype), c, cc.to(p.dtype))   # three passes over c
-        return coeff.mul_(c).add_(a.to(p.dtype))
-
-    def _coefficient_terms(self, x_sq, u_sq, xm_sq, um_sq, rest: int, group: Dict[str, Any],
-                           n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(a, b, cc) with eta~ phi~ = a + (b + cc c) c per element (0-d tensors), from the
-        squared norms of x and u over the tensor and over its selected elements; ``rest``: the
-        number of elements not selected (0 for a tensor synchronised in full: then b = cc = 0)."""
-        lo, hi = group["min_coeff"], group["max_coeff"]
-        lr = group["lr"]
-        if rest:
-            xn_sq, un_sq = (x_sq - xm_sq).clamp_(min=0), (u_sq - um_sq).clamp_(min=0)
-        else:   # nothing unsynchronised: phi_min has weight 1 - c = 0, keep it finite
-            xn_sq, un_sq = torch.zeros_like(x_sq), torch.zeros_like(u_sq)
-        if self.scaling == "simplified":
-            phi_max = trust_ratio(xm_sq.sqrt(), um_sq.sqrt(), lo, hi)
-            phi_min = trust_ratio(xn_sq.sqrt(), un_sq.sqrt(), lo, hi)
-            scale = 1.0
-        else:
-            u_norm = u_sq.sqrt()
-            phi_max = trust_ratio(xm_sq.sqrt() * u_norm, um_sq.sqrt(), lo, hi)
-            phi_min = trust_ratio(xn_sq.sqrt() * u_norm, un_sq.sqrt(), lo, hi)
-            scale = torch.where(u_norm > 0, 1.0 / u_norm.clamp(min=torch.finfo(u_norm.dtype).tiny),
-                                torch.ones_like(u_norm))
-        lr_n = lr / math.sqrt(n)
-        phi_max, phi_min = phi_max * scale, phi_min * scale
-        if not rest:
-            zero = torch.zeros_like(phi_max)
-            return phi_max * lr, zero, zero
-        # eta~ phi~ = (lr_n + (lr - lr_n) c)(phi_min + (phi_max - phi_min) c)
-        return (lr_n * phi_min, lr_n * (phi_max - phi_min) + (lr - lr_n) * phi_min,
-                (lr - lr_n) * (phi_max - phi_min))
-
-    def _native_update(self, p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
-                       group: Dict[str, Any], n: int) -> bool:
-        """Lines 10-19 for one tensor in the C kernels' two passes; False (nothing done) where
-        they cannot take it (not built, not on the CPU, not contiguous float32/float64)."""
-        state = self.state[p]
-        m, v, c = state["exp_avg"], state["exp_avg_sq"], state["staleness"]
-        kernels = KERNELS.get(p.dtype)
-        if kernels is None or not native.takes(p.dtype, p, g, m, v, c):
-            return False
-        moments, update = kernels
-        beta1, beta2 = group["betas"]
-        bc1, bc2 = bias_corrections(state["step"], beta1, beta2, group["bias_correction"])
-        eps, inside, wd = group["eps"], int(group["eps_inside_sqrt"]), group["weight_decay"]
-        sums = torch.zeros(4, dtype=torch.float64)
-        full = idx is None
-        moments(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), c.data_ptr(), p.numel(),
-                None if full else idx.data_ptr(), 0 if full else idx.numel(), int(full),
-                beta2, group["beta3"], bc1, bc2, eps, inside, wd, sums.data_ptr())
-        rest = 0 if full else p.numel() - idx.numel()
-        a, b, cc = self._coefficient_terms(sums[0], sums[1], sums[2], sums[3], rest, group, n)
-        update(p.data_ptr(), m.data_ptr(), v.data_ptr(), c.data_ptr(), p.numel(), int(full),
-               bc1, bc2, eps, inside, wd, float(a), float(b), float(cc))
-        return True
 
     # --- state -----------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
