@@ -47,3 +47,35 @@ def test_the_launcher_loads_without_torch():
                          timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+MODULE_LINES, FUNCTION_LINES = 400, 60
+
+
+def _long_ok(lines, lineno) -> bool:
+    """A ``# long:`` comment on the definition's line or the line above states why it is long."""
+    return any("# long:" in lines[i] for i in (lineno - 2, lineno - 1) if 0 <= i < len(lines))
+
+
+def test_modules_and_functions_stay_short():
+    """Every module of the package under 400 lines and every function under 60, unless a
+    ``# long:`` comment beside it (on the module's first statement for a module) says why."""
+    import ast
+    too_long = []
+    for folder, _, files in os.walk(os.path.join(REPO, "horovod_ext")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                source = f.read()
+            lines = source.split("\n")
+            rel = os.path.relpath(path, REPO)
+            if source.count("\n") > MODULE_LINES and "\n# long:" not in source:
+                too_long.append(f"{rel}: {source.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > FUNCTION_LINES and not _long_ok(lines, node.lineno):
+                        too_long.append(f"{rel}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, "over the limit with no '# long:' reason: " + "; ".join(too_long)

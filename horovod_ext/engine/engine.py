@@ -1,16 +1,6 @@
 """The background engine of one process set (the world is one too): submission, the thread
-that runs cycles, cycle timing, shutdown and failures.
-
-As in Horovod, API calls only enqueue a request and return a handle.  A background thread runs
-cycles; in each cycle every rank sends what it has newly submitted (a cache id for a request seen
-before with the same shape, its full description otherwise) over the control plane (wire.py), so
-every rank holds the same table of who submitted what (negotiation.py).  A name becomes ready
-when every (non-joined) rank has submitted it; ready requests are checked for agreement (kind,
-op, dtype, shape, root, scaling), packed into fusion buffers up to HOROVOD_FUSION_THRESHOLD bytes
-(fusion.py) and reduced with one op call per buffer (execution.py).  Ranks may submit in
-different orders.  Disagreements fail on every rank with an error naming the tensor and the
-ranks; a name left unmatched at shutdown fails the same way; a peer that dies or goes silent
-fails every pending request within the communication timeout.
+that runs cycles, cycle timing, shutdown and failures (the package's docstring tells the whole
+path of a request).
 
 Cycle timing: with requests waiting, a rank runs a cycle every HOROVOD_CYCLE_TIME ms so that
 tensors submitted close together are fused; a request submitted while the rank was idle, or one
@@ -37,8 +27,7 @@ from .execution import Executor, zeros_request
 from .fast_lane import CachedAllreduce, Key, Plans
 from .fusion import plan_batches
 from .negotiation import Negotiator, Ready
-from .requests import (JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request,
-                       track)
+from .requests import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request, track
 
 log = logging.getLogger("horovod_ext")
 
