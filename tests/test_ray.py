@@ -183,7 +183,7 @@ def test_exception_names_the_rank(executor, monkeypatch):
     # come, so the executor's wait for the others' outcomes after the first failure (5 s, so
     # that a dead worker is named before a peer that saw it die) is waited out in full here.
     # Nothing dies in this test: a shorter wait is the same check.
-    from horovod_ext.ray import executor as executor_module
+    from horovod_ext.launch import ray as executor_module
     monkeypatch.setattr(executor_module, "_SETTLE_S", 0.5)
     with pytest.raises(ValueError, match="bad shard") as info:
         executor.run(fail_on_rank_1)
