@@ -9,8 +9,10 @@ first on the path of every rank.  Runs alternate, other commit first, ``--runs``
 Prints, for every measured figure, the median of each side, the new/old ratio, and the spread
 (min-max over runs) of each side, then writes JSON with every run's figures.
 Figures: ``synthetic``: samples/s of hvd.DistributedOptimizer and of DDP per model and process
-count; ``allreduce``: horovod_ext's time per call (us) per transport and size, back to back and
-after the gap, and the raw transport's for the noise floor.
+count, and their ratio in each run (DDP runs in the same ranks, turn about, so the ratio cancels
+the machine's drift); ``allreduce``: horovod_ext's time per call (us) per transport and size, back to back and
+after the gap, the raw transport's, and horovod_ext's against the raw block next to it (the
+median over block pairs, which cancels the transport's own drift).
 """
 import argparse
 import json
@@ -35,12 +37,18 @@ def figures(bench: str, report: dict) -> dict:
                     key = f"{method}_samples_per_s"
                     if key in row:
                         out[f"{model} np={np_} {method} samples/s"] = row[key]
+                if "hvd_samples_per_s" in row and "ddp_samples_per_s" in row:
+                    # DDP ran in the same ranks, turn about: the ratio cancels the machine's drift
+                    out[f"{model} np={np_} hvd/ddp"] = (row["hvd_samples_per_s"]
+                                                        / row["ddp_samples_per_s"])
     else:
         for kind, rows in report["local"].items():
             for r in rows:
                 size = _spawn.human(r["size"])
                 for col in ("hvd_us", "hvd_gap_us", "raw_us"):
                     out[f"{kind} {size} {col}"] = r[col]
+                # each hvd block against the raw block next to it: the transport's drift cancels
+                out[f"{kind} {size} hvd/raw"] = 1.0 + r["paired_overhead_pct"] / 100.0
     return out
 
 
@@ -100,9 +108,9 @@ def main():
                "new_median": statistics.median(new), "old": old, "new": new}
         row["ratio"] = row["new_median"] / row["old_median"]
         rows.append(row)
-        print(f"{n:<36} {row['old_median']:>10.1f} {row['new_median']:>10.1f} "
-              f"{row['ratio']:>8.3f} {min(old):>9.1f}-{max(old):<9.1f} "
-              f"{min(new):>9.1f}-{max(new):<9.1f}")
+        print(f"{n:<36} {row['old_median']:>10.4g} {row['new_median']:>10.4g} "
+              f"{row['ratio']:>8.3f} {min(old):>9.4g}-{max(old):<9.4g} "
+              f"{min(new):>9.4g}-{max(new):<9.4g}")
     _spawn.write_report(args.out, {"bench": args.bench, "commit": args.commit,
                                    "flags": extra, "runs": args.runs, "rows": rows})
 

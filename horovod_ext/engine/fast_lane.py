@@ -40,7 +40,7 @@ class CachedAllreduce:
     """One named allreduce of one tensor (in place, or into a copy), ready to run again."""
 
     __slots__ = ("key", "cid", "entry", "message", "in_place", "_layers", "_comms",
-                 "_prepared", "_op")
+                 "_prepared", "_finish")
 
     def __init__(self, key: Key, cid: int, entry, message: bytes, name: str,
                  tensor: torch.Tensor, comms: Collectives):
@@ -52,7 +52,7 @@ class CachedAllreduce:
         self.in_place = address is not None  # otherwise the engine reduces a copy
         self._comms = comms
         self._layers = layers_of([tensor], [name])
-        self._op = op
+        self._finish = op.finish_
         self._prepared: Optional[Callable[[], None]] = None
         flat_elementwise = (self.in_place and op.elementwise
                             and dtype != torch.bool
@@ -68,7 +68,7 @@ class CachedAllreduce:
         if self._prepared is not None:
             with trace.transfer(self._comms.world, "ALLREDUCE", tensor):
                 self._prepared()
-            self._op.finish_(tensor, self._comms.world.size)
+            self._finish(tensor, self._comms.world.size)
             return
         _, _, _, op, prescale, postscale = self.key
         buffer = tensor if tensor.dim() == 1 else tensor.view(-1)
