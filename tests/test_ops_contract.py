@@ -14,12 +14,14 @@ def test_elementwise_ops_declare_their_reduction_and_finish():
     assert declared == {"sum": (ReduceOp.SUM, False), "average": (ReduceOp.SUM, True),
                         "min": (ReduceOp.MIN, False), "max": (ReduceOp.MAX, False),
                         "product": (ReduceOp.PRODUCT, False)}
-    # finish_ after a sum over 3 ranks: Average divides (integers truncated toward zero, as
-    # Horovod does), the others leave the reduction as it is
-    summed = torch.tensor([7.0, -7.0, 3.0])
-    # (float32: within two roundings, 2 x 2^-23, of the plain division)
-    assert torch.allclose(hvd.Average.finish_(summed.clone(), 3), summed / 3, rtol=2.4e-7,
-                          atol=0)
+    # finish_ after a sum over 3 ranks: Average divides, giving exactly the plain division
+    # also where 1/size is not a power of two (Horovod's tests compare with rtol 0 at 3 ranks);
+    # integers truncate toward zero, as Horovod does; the other ops leave the sum as it is
+    torch.manual_seed(1234)
+    summed = torch.FloatTensor(17, 17).random_(-100, 100) * 2
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        s = summed.to(dtype)
+        assert torch.equal(hvd.Average.finish_(s.clone(), 3), s / 3), dtype
     assert torch.equal(hvd.Average.finish_(torch.tensor([7, -7, 3]), 3),
                        torch.tensor([2, -2, 1]))
     assert torch.equal(hvd.Sum.finish_(summed.clone(), 3), summed)
