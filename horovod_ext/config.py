@@ -1,7 +1,7 @@
 """Horovod's environment variables, read once at init and checked, with clear errors.
 
 Horovod's names and defaults where Horovod has the variable; our additions are named in the same
-style and listed in README.md.
+style and listed in docs/environment.md.
 """
 import os
 from dataclasses import dataclass

@@ -131,7 +131,7 @@ def test_srun_step_environment_runs_the_example():
 
 def test_kubeflow_mpijob_launcher_environment(tmp_path):
     """The launcher pod of a Kubeflow MPIJob (Open MPI): the operator's variables, its hostfile
-    at OMPI_MCA_orte_default_hostfile, and the command of the README's manifest."""
+    at OMPI_MCA_orte_default_hostfile, and the command of docs/launching.md's manifest."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
     env = _clean_env(OMPI_MCA_orte_default_hostfile=str(hostfile),

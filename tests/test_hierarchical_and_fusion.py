@@ -53,7 +53,7 @@ def body_custom_cross_step():
                 return topology.cross.allreduce(shard, ReduceOp.SUM)
             return comms.allreduce(buffer, ReduceOp.SUM, cross_step=cross_step)
 
-    class StepSum(hvd.Op):          # README's example: one step, flat or hierarchical
+    class StepSum(hvd.Op):          # docs/api.md's example: one step, flat or hierarchical
         name = "step_sum"
 
         def allreduce(self, buffer, layers, comms):

@@ -4,7 +4,7 @@ a substitute ssh command), checked from the outside.
 Where the launcher itself is under test the ranks are tiny scripts without torch (written to a
 temporary folder); a few end-to-end runs use real horovod_ext ranks and check their allreduce
 against a reference computed here.  The network lab (tools/netlab.sh) is not used here: it needs
-root and namespaces, so it is a manual check (README, hvdrun section).
+root and namespaces, so it is a manual check (docs/launching.md, hvdrun section).
 """
 import json
 import os

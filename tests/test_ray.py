@@ -1,5 +1,5 @@
 """Ray: ``horovod_ext.ray.RayExecutor`` on a real local Ray cluster (``ray.init``), and the
-README's Ray recipes (RayExecutor, Ray Train's TorchTrainer) run as written."""
+docs/launching.md's Ray recipes (RayExecutor, Ray Train's TorchTrainer) run as written."""
 import os
 import re
 import signal
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _readme_block(heading: str) -> str:
-    """The first ```python block under README.md's heading ``heading``."""
-    with open(os.path.join(REPO, "README.md")) as f:
+    """The first ```python block under docs/launching.md's heading ``heading``."""
+    with open(os.path.join(REPO, "docs", "launching.md")) as f:
         text = f.read()
     section = text.split(heading, 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
@@ -41,7 +41,7 @@ def _run_recipe(code: str, tmp_path) -> str:
 # The recipes start their own Ray clusters: they run before this module's own cluster starts.
 
 def test_readme_ray_executor_recipe_runs_as_written(tmp_path):
-    out = _run_recipe(_readme_block("### Ray: `RayExecutor`"), tmp_path)
+    out = _run_recipe(_readme_block("## Ray: `RayExecutor`"), tmp_path)
     line = [l for l in out.splitlines() if l.startswith("ranks and weight sums:")]
     assert line, out
     results = eval(line[0].split(":", 1)[1])  # noqa: S307 (our own printed list)
@@ -51,7 +51,7 @@ def test_readme_ray_executor_recipe_runs_as_written(tmp_path):
 
 
 def test_readme_ray_train_recipe_runs_as_written(tmp_path):
-    out = _run_recipe(_readme_block("### Ray Train: `TorchTrainer`"), tmp_path)
+    out = _run_recipe(_readme_block("## Ray Train: `TorchTrainer`"), tmp_path)
     match = re.search(r"final metrics: (\{.*\})", out)
     assert match, out
     metrics = eval(match.group(1))  # noqa: S307
