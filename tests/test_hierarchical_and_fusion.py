@@ -20,7 +20,7 @@ def body_hierarchical():
                       f"hierarchical {opname} {dtype} {numel}")
         data = [sample(k, (k + 1, 2), dtype, 77 + i) for k in range(n)]
         check(hvd.allgather(data[r]), torch.cat(data), f"hierarchical allgather {dtype}")
-    return comms.hierarchy_applies
+    return comms.topology.hierarchy_applies
 
 
 @pytest.mark.timeout(180)

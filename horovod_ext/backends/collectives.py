@@ -68,11 +68,6 @@ class Collectives:
         return max(1, chunk // buffer.element_size())
 
     @property
-    def hierarchy_applies(self) -> bool:
-        """Several nodes, more than one process on each, and the same number on each."""
-        return self.topology.hierarchy_applies
-
-    @property
     def hierarchical(self) -> bool:
         """Whether allreduces go through the hierarchy: asked for, and the topology allows."""
         return self.hierarchical_allreduce and self.topology.hierarchy_applies
@@ -83,7 +78,7 @@ class Collectives:
         """An op's own reduction of ``buffer`` over every rank: ``step`` on the whole buffer
         among all ranks, or (hierarchical) on this rank's part of the node's sum (average with
         ``node_average``) among the nodes (``backends.hierarchy``); in place, returns it."""
-        return run_step(buffer.view(-1), self.topology, step, self.hierarchical_allreduce,
+        return run_step(buffer.view(-1), self.topology, step, self.hierarchical,
                         node_average, share, activity).view_as(buffer)
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp = ReduceOp.SUM,

@@ -86,8 +86,9 @@ def run_step(flat: torch.Tensor, topology: Topology, step: Step, hierarchical: b
              node_average: bool = True, share: Optional[Tuple[int, int]] = None,
              activity: str = "CROSS_STEP") -> torch.Tensor:
     """``step`` over the whole world: on all of ``flat`` among every rank (flat), or through
-    ``hierarchical_`` when ``hierarchical`` and the topology allows it; in place."""
-    if hierarchical and topology.hierarchy_applies:
+    ``hierarchical_`` when ``hierarchical`` (asked for, and the topology allows it); in
+    place."""
+    if hierarchical:
         return hierarchical_(flat, topology, step, node_average=node_average, share=share,
                              activity=activity)
     out = step(flat, Span(topology.world, 0, topology))

@@ -156,7 +156,7 @@ def init(comm=None):
         state.autotuner = None
         if config.autotune:
             state.autotuner = autotune.Autotuner(config, autotune.Setting.of(config, comms),
-                                                 comms.hierarchy_applies, world.rank)
+                                                 topology.hierarchy_applies, world.rank)
         context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
                                                 _execute_custom, _submit_custom))
         if not state.atexit_registered:

@@ -11,9 +11,7 @@ Name your requests: an unnamed call gets a fresh name, hence fresh (zero) errors
 """
 from typing import Dict, Tuple
 
-from horovod_ext.algorithms.onebit.compressed_allreduce import (ErrorFeedback,
-                                                                compressed_allreduce_,
-                                                                shard_lengths)
+from horovod_ext.algorithms.onebit.compressed_allreduce import ErrorFeedback, compressed_step
 
 from .base import Op
 from .registry import register_op
@@ -34,14 +32,8 @@ class OneBitOp(Op):
         errors = self._errors.get(key)
         if errors is None:
             errors = self._errors[key] = ErrorFeedback()
-        lengths = [layer.numel for layer in layers]
-
-        def step(part, span):
-            # Only the cross-node step is compressed: the node's average is exact.
-            return compressed_allreduce_(part, span.comm, errors,
-                                         shard_lengths(buffer.numel(), lengths, span.offset,
-                                                       part.numel()))
-
+        # Hierarchical: only the cross-node step is compressed, the node's average is exact.
+        step = compressed_step(errors, buffer.numel(), [layer.numel for layer in layers])
         return comms.reduce(buffer, step, node_average=True)
 
     # --- inspection and checkpoints --------------------------------------------------------

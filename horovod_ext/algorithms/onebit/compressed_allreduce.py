@@ -28,7 +28,7 @@ import torch
 
 from horovod_ext.backends import trace
 from horovod_ext.backends.base import Communicator, ReduceOp
-from horovod_ext.backends.hierarchy import Span, hierarchical_
+from horovod_ext.backends.hierarchy import Span, Step, hierarchical_
 from horovod_ext.backends.topology import Topology
 
 from .compression import (Workspace, compensate_compress_, decompress_into, packed_bytes,
@@ -226,11 +226,18 @@ def hierarchical_compressed_allreduce_(x: torch.Tensor, topology: Topology,
     """Full-precision average inside the node, 1-bit compressed average of each rank's shard
     across nodes, shards shared inside the node (``backends.hierarchy``); returns ``x``
     (replaced in place).  ``errors`` then holds this rank's shard's errors."""
-    def step(shard: torch.Tensor, span: Span) -> torch.Tensor:
-        return compressed_allreduce_(shard, span.comm, errors,
-                                     shard_lengths(x.numel(), lengths, span.offset,
-                                                   shard.numel()))
-    return hierarchical_(x, topology, step, node_average=True)
+    return hierarchical_(x, topology, compressed_step(errors, x.numel(), lengths),
+                         node_average=True)
+
+
+def compressed_step(errors: ErrorFeedback, numel: int,
+                    lengths: Optional[Sequence[int]] = None) -> Step:
+    """The 1-bit step on a part of a buffer of ``numel`` elements with layers ``lengths``,
+    flat or across nodes (``backends.hierarchy``): one scale per layer piece in the part."""
+    def step(part: torch.Tensor, span: Span) -> torch.Tensor:
+        return compressed_allreduce_(part, span.comm, errors,
+                                     shard_lengths(numel, lengths, span.offset, part.numel()))
+    return step
 
 
 def shard_lengths(numel: int, lengths: Optional[Sequence[int]], offset: int,
