@@ -63,6 +63,7 @@ class Config:
     stall_check: bool = True
     stall_warning_s: float = 60.0
     stall_shutdown_s: float = 0.0                # 0: never abort stalled tensors
+    deadlock_s: float = 10.0                     # every rank blocked, nothing matches; 0: off
     timeout_s: float = 60.0
     control_iface: Optional[str] = None
     log_level: str = "warning"
@@ -79,7 +80,7 @@ class Config:
     autotune_bayes_opt_max_samples: int = 20
     autotune_gaussian_process_noise: float = 0.8
 
-    @classmethod
+    @classmethod  # long: one entry per variable, read in one place
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Config":
         positive = lambda v: v > 0  # noqa: E731
         non_negative = lambda v: v >= 0  # noqa: E731
@@ -112,6 +113,8 @@ class Config:
                                  "a positive number of seconds"),
             stall_shutdown_s=_get(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0, float,
                                   non_negative, "a non-negative number of seconds"),
+            deadlock_s=_get(env, "HOROVOD_DEADLOCK_TIME_SECONDS", 10.0, float, non_negative,
+                            "a non-negative number of seconds"),
             timeout_s=_get(env, "HOROVOD_COMM_TIMEOUT_SECONDS", timeout, float, positive,
                            "a positive number of seconds"),
             control_iface=_get(env, "HOROVOD_GLOO_IFACE", None, str),

@@ -184,6 +184,48 @@ def test_stall_warning_names_missing_ranks_and_stall_shutdown_aborts(tmp_path):
     assert "'never'" in results[0][1] and "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" in results[0][1]
 
 
+DEADLOCK_S = 1.5
+
+
+def body_deadlock():
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    start = time.monotonic()
+    error = None
+    try:  # as after an assertion failed on some ranks only: the ranks call different things
+        if r == 1:
+            hvd.reducescatter(torch.ones(6), name="skipped_by_the_others")
+        else:
+            hvd.barrier()
+    except hvd.HorovodInternalError as exc:
+        error = str(exc)
+    took = time.monotonic() - start
+    after = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()
+    # A slow rank is no deadlock: rank 0 computes (a sleep stands for it) while the others
+    # wait twice the deadlock time for it.
+    if r == 0:
+        time.sleep(2 * DEADLOCK_S)
+    slow = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="slow").tolist()
+    return error, took, after, slow
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deadlocked_ranks_fail_naming_what_each_submitted(backend):
+    """Three ranks, two of them in a barrier and one in a reducescatter: every rank raises
+    within the deadlock time (plus cycles), naming both tensors and who submitted them; the
+    ranks go on working afterwards, and a rank that is merely slow is waited for."""
+    env = {"HOROVOD_DEADLOCK_TIME_SECONDS": str(DEADLOCK_S)}
+    results = run_ranks(body_deadlock, 3, backend, env=env, timeout=90)
+    for r, (error, took, after, slow) in enumerate(results):
+        assert error is not None, f"rank {r} did not fail"
+        assert "deadlock" in error and "HOROVOD_DEADLOCK_TIME_SECONDS" in error, error
+        assert "'skipped_by_the_others' submitted by ranks [1], not by ranks [0, 2]" in error
+        assert "'barrier" in error and "submitted by ranks [0, 2], not by ranks [1]" in error
+        assert DEADLOCK_S <= took < DEADLOCK_S + 10, (r, took)
+        assert after == [3.0, 3.0] and slow == [3.0], (after, slow)
+
+
 def test_bad_environment_values_are_named():
     with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD"):
         Config.from_env({"HOROVOD_FUSION_THRESHOLD": "lots"})
@@ -195,6 +237,8 @@ def test_bad_environment_values_are_named():
         Config.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "maybe"})
     with pytest.raises(ConfigError, match="HOROVOD_GRADIENT_BUCKET_BYTES"):
         Config.from_env({"HOROVOD_GRADIENT_BUCKET_BYTES": "-5"})
+    with pytest.raises(ConfigError, match="HOROVOD_DEADLOCK_TIME_SECONDS"):
+        Config.from_env({"HOROVOD_DEADLOCK_TIME_SECONDS": "soon"})
     c = Config.from_env({"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "2.5",
                          "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
                          "HOROVOD_GRADIENT_BUCKET_BYTES": "4096"})

@@ -28,6 +28,7 @@ from .fast_lane import CachedAllreduce, Key, Plans
 from .fusion import plan_batches
 from .negotiation import Negotiator, Ready
 from .requests import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request, track
+from .waiting import Waiters
 
 log = logging.getLogger("horovod_ext")
 
@@ -47,7 +48,7 @@ class Engine:
         self._cond = threading.Condition()
         self._new: List[Request] = []                 # submitted, not yet announced
         self._local: Dict[str, Request] = {}           # announced, waiting to be executed
-        self._waiters = 0
+        self._waiters = Waiters()
         self._shutdown_requested = False
         self._stopped = False
         self._fatal: Optional[BaseException] = None
@@ -122,13 +123,13 @@ class Engine:
         if handle.done():
             return
         with self._cond:
-            self._waiters += 1
+            self._waiters.enter()
             self._cond.notify()
         try:
             handle._sleep_until_done(self._event_lock)
         finally:
             with self._cond:
-                self._waiters -= 1
+                self._waiters.leave()
 
     def allreduce_cached(self, name: str, key: Key, tensor: torch.Tensor,
                          make_request: Callable[[], Request]):
@@ -248,7 +249,7 @@ class Engine:
             for r in new:
                 self._local[r.name] = r
             shutdown = self._shutdown_requested
-            caller_blocked = caller_blocked or self._waiters > 0
+            caller_blocked = caller_blocked or self._waiters.count > 0
         self._run_round(lambda: self._cycle(new, shutdown, caller_blocked))
 
     def _run_round(self, round_fn: Callable[[], bool]):
@@ -277,7 +278,7 @@ class Engine:
         busy = bool(self._new or self._local)
         # A caller is blocked: go now if there is something new to announce, or if the last
         # cycle moved things along (peers are active and may complete ours).
-        if busy and self._waiters > 0 and (self._new or self._last_round_active):
+        if busy and self._waiters.count > 0 and (self._new or self._last_round_active):
             return True
         return time.monotonic() >= self._next_cycle_at(busy)
 
@@ -303,7 +304,9 @@ class Engine:
         self.stats["cache_hits"] += len(cache_ids)
         self.stats["announced"] += len(announce)
         aborts = self._negotiator.take_aborts()
-        message = wire.encode(cache_ids, announce, shutdown, aborts)
+        # Only long waits count towards a deadlock: the steady state's messages stay equal.
+        waiting = self._waiters.blocked_for(min(1.0, self.config.deadlock_s / 2))
+        message = wire.encode(cache_ids, announce, shutdown, aborts, waiting)
         messages = self.control.agree(message, caller_blocked)
         self.stats["cycles"] += 1
         only_cached = not announce and not shutdown and not aborts
@@ -369,12 +372,8 @@ class Engine:
             request.handle._finish(error=HorovodInternalError(reason))
 
     def _fail_unmatched_at_shutdown(self):
-        negotiator = self._negotiator
-        for name in list(negotiator.pending):
-            reason = (f"horovod_ext was shut down before tensor '{name}' was reduced: "
-                      f"{negotiator.who_submitted(name)}")
+        for name, reason in self._negotiator.abandon_all("horovod_ext was shut down before"):
             self.shutdown_errors.append(reason)
-            negotiator.abandon(name)
             self._fail_local(name, reason)
         with self._cond:
             leftovers = list(self._local.values()) + self._new

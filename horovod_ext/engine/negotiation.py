@@ -8,7 +8,7 @@ request must fail it reports the reason and the engine fails the local request.
 """
 import logging
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from horovod_ext.backends import trace
 from horovod_ext.config import Config
@@ -93,7 +93,9 @@ class Negotiator:
         self.warned: Dict[str, float] = {}
         self.joined: List[int] = []
         self.cache = ResponseCache(config.cache_capacity)
-        self.abort_next: List[str] = []   # stalled names this rank gives up on next cycle
+        self.abort_next: List[Tuple[str, str]] = []   # (name, reason) rank 0 fails next cycle
+        self.waiting: Set[int] = set()    # ranks whose last message said a caller is blocked
+        self.deadlocked_since: Optional[float] = None
 
     def reconfigure(self, config: Config):
         """Take ``config``'s stall limits and cache capacity; a capacity of 0 empties the cache.
@@ -120,7 +122,7 @@ class Negotiator:
                 announce.append((r.name, r.meta))
         return cache_ids, announce
 
-    def take_aborts(self) -> List[str]:
+    def take_aborts(self) -> List[Tuple[str, str]]:
         aborts, self.abort_next = self.abort_next, []
         return aborts
 
@@ -144,6 +146,7 @@ class Negotiator:
         shutting down)."""
         any_shutdown = False
         activity = False
+        self.waiting = {rank for rank, message in enumerate(gathered) if message.waiting}
         # Cache ids first: an announcement below may evict the entry they point to.
         for rank, message in enumerate(gathered):
             any_shutdown |= message.shutdown
@@ -159,10 +162,7 @@ class Negotiator:
                     continue
                 self.cache.evict(name)  # a new description replaces a cached one everywhere
                 self._note(name, rank, meta, now)
-            for name in message.aborts:
-                reason = (f"tensor '{name}' stalled for more than "
-                          f"{self.config.stall_shutdown_s:.0f} s "
-                          f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); {self.who_submitted(name)}")
+            for name, reason in message.aborts:
                 self.abandon(name)
                 fail(name, reason)
         return activity, any_shutdown
@@ -223,11 +223,22 @@ class Negotiator:
         if tl is not None and metas:
             tl.abandoned(tracks(name, next(iter(metas.values()))))
 
+    def abandon_all(self, why: str) -> List[Tuple[str, str]]:
+        """Forget every pending name; (name, reason) for each, the reason starting with
+        ``why``."""
+        failed = [(name, f"{why} tensor '{name}' was reduced: {self.who_submitted(name)}")
+                  for name in self.pending]
+        for name, _ in failed:
+            self.abandon(name)
+        return failed
+
     def check_stalls(self, now: float):
         """Warn about names waiting longer than the stall warning time; past the shutdown time,
-        rank 0 aborts them in its next message (every rank then fails them alike)."""
+        or when the ranks are deadlocked, rank 0 aborts them in its next message (every rank
+        then fails them alike)."""
         warn_after = self.config.stall_warning_s
         abort_after = self.config.stall_shutdown_s
+        aborting = {name for name, _ in self.abort_next}
         for name, since in list(self.first_seen.items()):
             age = now - since
             if age > warn_after and now - self.warned.get(name, 0.0) > warn_after:
@@ -236,5 +247,30 @@ class Negotiator:
                     log.warning("stall: tensor '%s' waited %.0f s, %s", name, age,
                                 self.who_submitted(name))
             if abort_after > 0 and age > abort_after and self.rank == 0 \
-                    and name not in self.abort_next:
-                self.abort_next.append(name)
+                    and name not in aborting:
+                self.abort_next.append((name, f"tensor '{name}' stalled for more than "
+                                              f"{abort_after:.0f} s (HOROVOD_STALL_SHUTDOWN_"
+                                              f"TIME_SECONDS); {self.who_submitted(name)}"))
+        self._check_deadlock(now, aborting)
+
+    def _check_deadlock(self, now: float, aborting: Set[str]):
+        """Every rank that has not joined is blocked waiting, and nothing pending has been
+        submitted by all of them: no rank can submit the missing requests, so none of them
+        can ever complete (Horovod waits forever here).  Past the deadlock time, rank 0 fails
+        them all, naming who submitted what."""
+        limit = self.config.deadlock_s
+        needed = set(range(self.size)) - set(self.joined)
+        if limit <= 0 or not self.pending or not needed <= self.waiting:
+            self.deadlocked_since = None
+            return
+        if self.deadlocked_since is None:
+            self.deadlocked_since = now
+        if now - self.deadlocked_since < limit or self.rank != 0:
+            return
+        who = "; ".join(f"'{name}' {self.who_submitted(name)}" for name in self.pending)
+        reason = (f"deadlock: every rank has been blocked for {limit:.0f} s "
+                  f"(HOROVOD_DEADLOCK_TIME_SECONDS) on collectives that not every rank "
+                  f"submitted: {who}. The ranks called collectives in different orders, or "
+                  f"some ranks skipped one (for example after an exception on those ranks)")
+        self.abort_next.extend((name, reason) for name in self.pending if name not in aborting)
+        self.deadlocked_since = None
