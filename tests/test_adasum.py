@@ -3,7 +3,8 @@
 One 8-process run per backend covers every process count from 2 to 8: the world, and
 sub-communicators of 2, 3, 4, 5 and 6 ranks split from it, each running the same code that
 ``hvd.allreduce(op=hvd.Adasum)`` runs on the world, by both of its paths: AdasumRVH and the
-gather path that small messages take.
+gather path that small messages take; float16 and bfloat16 RVH too, and the device-generic torch
+code (what CUDA tensors run) on CPU tensors.
 """
 import pytest
 import torch
@@ -12,6 +13,9 @@ from tests.harness import BACKENDS, run_ranks
 
 LAYERS = [(3, 5), (17,), (1,), (64, 9), (0,), (1000,), (7, 7, 3)]  # odd sizes, an empty one
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+# Splits that also run 16-bit RVH and the device-generic torch code: their two groups have
+# 2, 6, 3 and 5 ranks (pairs, folds, two levels), for two fifths of the cost of all splits.
+EXTRA_SIZES = (2, 3)
 # relative error (norm of the difference / norm of the reference) allowed per dtype
 REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5, torch.float64: 1e-12}
 
@@ -59,7 +63,7 @@ def _rvh_every_count():
     import horovod_ext.torch as hvd
     from horovod_ext.backends import context
     import horovod_ext.algorithms.adasum.rvh as rvh_module
-    from horovod_ext.algorithms.adasum import adasum_allreduce_
+    from horovod_ext.algorithms.adasum import adasum_allreduce_, operator
     from tests.test_adasum import layers_for
     r, n = hvd.rank(), hvd.size()
     out = {}
@@ -87,10 +91,45 @@ def _rvh_every_count():
                            for _ in range(2)]
             finally:
                 rvh_module.CHUNK_ELEMENTS = chunk
-            results[size] = (group.size, rvh, gathered, chunked)
+            extra = {}
+            if size not in EXTRA_SIZES:
+                results[size] = (group.size, rvh, gathered, chunked, extra)
+                continue
+            # 16-bit floats through RVH's exchanges (over MPI: as int16, see backends/mpi.py)
+            for dtype in (torch.float16, torch.bfloat16):
+                half = torch.cat([t.reshape(-1) for t in layers_for(r, seed=size, dtype=dtype)])
+                extra[str(dtype)] = adasum_allreduce_(half, bounds, group, gather_limit=0)
+            # the torch code CUDA tensors run (no C kernels, numpy or C weights), both paths
+            operator.HOST_CODE = False
+            try:
+                extra["generic"] = [adasum_allreduce_(flat.clone(), bounds, group, gather_limit=g)
+                                    for g in (0, 1 << 30)]
+                half = torch.cat([t.reshape(-1)
+                                  for t in layers_for(r, seed=size, dtype=torch.float16)])
+                extra["generic float16"] = adasum_allreduce_(half, bounds, group, gather_limit=0)
+            finally:
+                operator.HOST_CODE = True
+            results[size] = (group.size, rvh, gathered, chunked, extra)
         return results
 
+    def run_moves(topology):
+        """16-bit floats and bools moved by the world's collectives, bits unchanged (MPI gets
+        int16 and uint8 views): every rank's values, special ones included."""
+        world = topology.world
+        special = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 1e-7, 65504.0])
+        moved = {}
+        for dtype in (torch.float16, torch.bfloat16, torch.bool):
+            mine = (special + r).to(dtype)
+            gathered = world.allgather(mine.view(1, -1))
+            cast = mine.clone() if r == 3 else torch.zeros_like(mine)
+            world.broadcast(cast, root=3)
+            got = torch.zeros_like(mine)
+            world.sendrecv(mine, (r + 1) % n, got, (r - 1) % n)
+            moved[str(dtype)] = (mine, gathered, cast, got)
+        return moved
+
     out["split"] = context.current().execute("test.adasum.split", run_split)
+    out["moves"] = context.current().execute("test.adasum.moves", run_moves)
     # The public API over the world: fused (grouped) and one by one, every dtype.
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         layers = layers_for(r, seed=50, dtype=dtype)
@@ -139,6 +178,19 @@ def test_adasum_every_process_count(backend):
                     assert err < 1e-5, (backend, size, path, list(members), r, err)
                     # every rank holds the same bits, or replicas drift apart
                     assert torch.equal(flat, flat_of(members[0], path))
+            extras = (("torch.float16", torch.float16), ("torch.bfloat16", torch.bfloat16),
+                      ("generic", torch.float32), ("generic float16", torch.float16))
+            for key, dtype in extras if size in EXTRA_SIZES else ():
+                expected_d = ref_tree([layers_for(r, size, dtype) for r in members], shapes)
+                first = results[members[0]]["split"][size][4][key]
+                for r in members:
+                    outs = results[r]["split"][size][4][key]
+                    for i, flat in enumerate(outs if isinstance(outs, list) else [outs]):
+                        assert flat.dtype == dtype
+                        got = list(torch.split(flat, [s.numel() for s in shapes]))
+                        err = rel_err(got, expected_d)
+                        assert err < REL_TOL[dtype], (backend, size, key, i, r, err)
+                        assert torch.equal(flat, first[i] if isinstance(first, list) else first)
     for dtype in DTYPES:
         expected = ref_tree([layers_for(r, 50, dtype) for r in range(n)], shapes)
         for r in range(n):
@@ -148,6 +200,14 @@ def test_adasum_every_process_count(backend):
             assert rel_err(alone, expected) < REL_TOL[dtype], (dtype, r)
             # fused and unfused agree (to rounding: the pieces fall differently)
             assert rel_err(fused, alone) < REL_TOL[dtype] * 2, (dtype, r)
+    for dtype in ("torch.float16", "torch.bfloat16", "torch.bool"):
+        inputs = [results[r]["moves"][dtype][0] for r in range(n)]
+        bits = (lambda t: t.view(torch.int16)) if dtype != "torch.bool" else (lambda t: t)
+        for r in range(n):
+            _, gathered, cast, got = results[r]["moves"][dtype]
+            assert torch.equal(bits(gathered), bits(torch.stack(inputs))), (backend, dtype, r)
+            assert torch.equal(bits(cast), bits(inputs[3])), (backend, dtype, r)
+            assert torch.equal(bits(got), bits(inputs[(r - 1) % n])), (backend, dtype, r)
     ortho_sum = torch.cat([torch.arange(1.0, 6.0) * (q + 1) for q in range(n)])
     zeros_in = [results[r]["one_zero"][0] for r in range(n)]
     expected_zero = ref_tree([[t] for t in zeros_in], [torch.Size([33])])[0]
@@ -194,6 +254,95 @@ def test_c_kernels_match_torch_code():
         tol = 1e-6 if dtype == torch.float32 else 1e-13
         assert rel_err([native], [torch_out]) < tol, dtype
         assert torch.equal(native[3:5003], a[3:5003])
+
+
+@pytest.mark.timeout(60)
+def test_device_generic_code_matches_cpu_code(monkeypatch):
+    """The torch code that CUDA tensors run (HOST_CODE off: no C kernels, numpy reduceat or C
+    weights), on CPU tensors, against the CPU code and against the formula, with layers grouped
+    into runs (segment sums), chunked big layers and a piece cutting the first and last layers.
+
+    Tolerances: per-layer [a.b, a.a, b.b] within 1e-12 of max(|a|^2, |b|^2) (1e-7 for float32,
+    whose C kernel sums float32 products in short float32 blocks); the coefficients bitwise (the
+    same formula in float64); results bitwise for 16-bit inputs (both paths run the same torch
+    combine and their float64 dots differ by summation order only, far below a 16-bit rounding),
+    else within 1e-6 (float32: the C combine rounds differently) and 1e-13 (float64)."""
+    from horovod_ext.algorithms.adasum import operator
+    from horovod_ext.algorithms.adasum.operator import (LayerMap, Run, adasum_pair_, coefficients,
+                                                        partial_dots)
+    sizes = [3, 5000, 1, 0, 70000, 2, 300, 131073, 17, 4095, 4096, 9, 1, 1]
+    bounds, off = [], 0
+    for n in sizes:
+        bounds.append((off, n))
+        off += n
+    shapes = [torch.Size([n]) for n in sizes]
+    lo, hi = 1, off - 1
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        a = torch.randn(off, generator=g).to(dtype)
+        b = torch.randn(off, generator=g).to(dtype)
+        b[3:5003] = 0  # a zero layer on one side passes the other through
+        piece = LayerMap(bounds).piece(lo, hi)
+        assert any(isinstance(item, Run) and len(item.lengths) > 1 for item in piece.items)
+
+        def run_both():
+            dots = partial_dots(a[lo:hi], b[lo:hi], piece)
+            return dots, coefficients(dots), adasum_pair_(a.clone(), b, LayerMap(bounds))
+
+        host_dots, host_coeffs, host = run_both()
+        monkeypatch.setattr(operator, "HOST_CODE", False)
+        generic_dots, generic_coeffs, generic = run_both()
+        assert torch.equal(run_both()[2], generic), dtype  # deterministic: ranks agree
+        generic_of_host_dots = coefficients(host_dots)
+        monkeypatch.setattr(operator, "HOST_CODE", True)
+
+        scale = host_dots[:, 1:].amax(dim=1).clamp_min(1e-300).unsqueeze(1)
+        dots_tol = 1e-7 if dtype == torch.float32 else 1e-12
+        assert ((generic_dots - host_dots).abs() / scale).max() < dots_tol, dtype
+        assert (host_dots[:, 1:] > 0).sum() > 8  # the comparison covers real layers
+        assert torch.equal(generic_of_host_dots, coefficients(host_dots)), dtype
+        if dtype in (torch.float16, torch.bfloat16):
+            assert torch.equal(generic, host), dtype
+        else:
+            tol = 1e-6 if dtype == torch.float32 else 1e-13
+            assert rel_err([generic], [host]) < tol, (dtype, rel_err([generic], [host]))
+        expected = ref_pair(list(torch.split(a, sizes)), list(torch.split(b, sizes)), shapes)
+        assert rel_err([generic], expected) < REL_TOL[dtype], dtype
+        assert torch.equal(generic[3:5003], a[3:5003])
+
+
+@pytest.mark.timeout(30)
+def test_mpi_handover_stages_and_types():
+    """What MPI is given, per device, dtype, CUDA-awareness and reduction: never a 16-bit float
+    (bfloat16 has no MPI type, float16's is optional and a CUDA-aware Open MPI refused it on
+    GPU buffers), nor bool; staged only for GPU buffers that MPI cannot read.  And the CPU
+    views MPI moves: the same memory, the same bytes."""
+    from horovod_ext.backends.mpi import MPICommunicator, handover
+    standard = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float32,
+                torch.float64}
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
+              torch.int64, torch.uint8, torch.int8, torch.bool]
+    for device in ("cpu", "cuda"):
+        for dtype in dtypes:
+            for aware in (False, True):
+                moved = handover(device, dtype, aware, reduce=False)
+                assert moved.staged == (device == "cuda" and not aware), (device, dtype, aware)
+                assert moved.dtype in standard, (device, dtype, aware)
+                size = torch.empty(0, dtype=dtype).element_size()
+                assert torch.empty(0, dtype=moved.dtype).element_size() == size  # a view
+                if dtype == torch.bool:
+                    continue  # reduced as uint8 by Communicator.allreduce before it gets here
+                reduced = handover(device, dtype, aware, reduce=True)
+                assert reduced.staged == moved.staged
+                widened = dtype in (torch.float16, torch.bfloat16)
+                assert reduced.dtype == (torch.float32 if widened else dtype), (device, dtype)
+    assert handover("mps", torch.float32, True, False).staged  # only CUDA is read in place
+    for dtype in dtypes:
+        t = torch.arange(6).to(dtype)
+        array = MPICommunicator._array(t)
+        assert array.dtype.itemsize == t.element_size()
+        assert array.ctypes.data == t.data_ptr()  # no copy
+        assert torch.equal(torch.from_numpy(array).view(dtype), t)
 
 
 def test_float32_dots_hold_float64_precision_at_extreme_magnitudes():

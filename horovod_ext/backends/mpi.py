@@ -1,8 +1,11 @@
 """Communicator over MPI through mpi4py.
 
 CPU tensors are handed to MPI without copies (numpy views of the tensor memory).  float16 and
-bfloat16 reductions are carried in float32, since MPI has no standard half-precision sum.  CUDA
-tensors go straight to MPI when it is CUDA-aware and are staged through host memory otherwise.
+bfloat16 reductions are carried in float32, since MPI has no standard half-precision sum; where
+they are only moved, MPI sees their bits as int16 (bfloat16 has no MPI type, and float16's is
+optional: a CUDA-aware Open MPI refused it on device buffers with MPI_ERR_TYPE).  CUDA tensors go
+straight to MPI when it is CUDA-aware and are staged through host memory otherwise; ``handover``
+makes both decisions, for every device alike.
 Calls are blocking (Open MPI's non-blocking collectives are far slower for large messages) and
 run under a watchdog: a call that outlives the timeout aborts the job with a message naming the
 operation and rank, so nothing hangs.  The engine's negotiation, which runs over its own control
@@ -12,6 +15,7 @@ import logging
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -100,6 +104,27 @@ def cuda_aware() -> bool:
         return False
 
 
+class Handover(NamedTuple):
+    staged: bool         # copied through host memory, and the result copied back
+    dtype: torch.dtype   # what MPI is given: a view of the same bytes, or a widened copy
+
+
+# MPI moves these as integers of the same width: only standard MPI types reach MPI, whatever
+# the build supports (mpi4py maps float16 to MPI_SHORT_FLOAT, bfloat16 to nothing).
+_MOVED_AS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+# ... and adds these in float32 (one rounding back at the end; bool is the caller's: base.py).
+_REDUCED_AS = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def handover(device_type: str, dtype: torch.dtype, cuda_aware: bool, reduce: bool) -> Handover:
+    """How a buffer reaches MPI: staged through host memory unless it is on the CPU or on a GPU
+    that a CUDA-aware MPI reads; as a dtype MPI can type (for ``reduce``: one it can also add).
+    The same answer for CPU and CUDA buffers except for staging, so that the CPU tests cover the
+    dtypes that a CUDA-aware MPI gets."""
+    staged = device_type != "cpu" and not (device_type == "cuda" and cuda_aware)
+    return Handover(staged, (_REDUCED_AS if reduce else _MOVED_AS).get(dtype, dtype))
+
+
 class MPICommunicator(Communicator):
     def __init__(self, comm, timeout: float = 60.0):
         self.comm = comm
@@ -118,24 +143,24 @@ class MPICommunicator(Communicator):
         return cls(_mpi().COMM_WORLD.Dup(), timeout)
 
     # --- buffers ------------------------------------------------------------------------------
+    def _handover(self, tensor: torch.Tensor, reduce: bool) -> Handover:
+        if self._cuda_aware is None and tensor.is_cuda:  # asked once, and only with GPU buffers
+            self._cuda_aware = cuda_aware()
+        return handover(tensor.device.type, tensor.dtype, bool(self._cuda_aware), reduce)
+
     def _host(self, tensor: torch.Tensor):
         """(tensor MPI can touch, original to copy back into or None)."""
-        if tensor.is_cuda:
-            if self._cuda_aware is None:
-                self._cuda_aware = cuda_aware()
-            if not self._cuda_aware:
-                return tensor.cpu(), tensor
+        if tensor.device.type != "cpu" and self._handover(tensor, False).staged:
+            return tensor.cpu(), tensor
         return tensor, None
 
     @staticmethod
     def _array(tensor: torch.Tensor):
-        if tensor.is_cuda:
-            return tensor  # CUDA-aware MPI reads __cuda_array_interface__ directly
-        if tensor.dtype == torch.bfloat16:
-            return tensor.view(torch.int16).numpy()
-        if tensor.dtype == torch.bool:
-            return tensor.view(torch.uint8).numpy()
-        return tensor.numpy()
+        """What MPI is given to move ``tensor``'s bytes (reductions widen first: _allreduce)."""
+        carried = tensor.view(handover(tensor.device.type, tensor.dtype, cuda_aware=True,
+                                       reduce=False).dtype)
+        # CUDA-aware MPI reads __cuda_array_interface__ directly
+        return carried if carried.is_cuda else carried.numpy()
 
     def _guard(self, what: str) -> "_Deadline":
         """Blocking MPI calls (libnbc's non-blocking ones are up to 3x slower for large
@@ -149,11 +174,12 @@ class MPICommunicator(Communicator):
     # --- collectives --------------------------------------------------------------------------
     def _allreduce(self, tensor, op):
         t, orig = self._host(tensor)
-        widened = t.dtype in (torch.float16, torch.bfloat16)
-        work = t.float() if widened else t
+        # widened after any staging, so that a staged float16 crosses to the host at half size
+        reduced_as = self._handover(t, True).dtype
+        work = t if reduced_as == t.dtype else t.to(reduced_as)
         with self._guard("allreduce"):
             self.comm.Allreduce(_mpi().IN_PLACE, self._array(work), self._ops[op])
-        if widened:
+        if work is not t:
             t.copy_(work)
         if orig is not None:
             orig.copy_(t)
