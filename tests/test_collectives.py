@@ -1,4 +1,5 @@
-"""Every collective and dtype against a reference computed here, on 1-4 real ranks, Gloo and MPI."""
+"""Every collective and dtype against a reference computed here, on 1, 2, 3 and 5 real ranks
+(odd counts as clusters have them), Gloo and MPI."""
 import pytest
 import torch
 
@@ -150,6 +151,20 @@ def body_other_collectives():
         for opname, op in (("sum", hvd.Sum), ("average", hvd.Average), ("max", hvd.Max)):
             expected = reference(data, opname)[start:start + counts[r]]
             check(hvd.reducescatter(data[r], op=op), expected, f"reducescatter {opname} {dtype}")
+        # prescale and postscale: powers of two for floats (exact in every dtype), integer
+        # factors for integers (Horovod scales integers in float64: exact there too)
+        floating = dtype.is_floating_point
+        for pre, post in (((0.5, 1.0), (4.0, 0.125)) if floating else ((2.0, 1.0), (2.0, 3.0))):
+            def scaled(rows_of):
+                full = reference([rows_of(d) for d in data], "sum").double() * pre * post
+                return full.to(dtype)
+            mine = scaled(lambda d: d)[start:start + counts[r]]
+            check(hvd.reducescatter(data[r], op=hvd.Sum, prescale_factor=pre,
+                                    postscale_factor=post), mine, f"reducescatter x{pre},{post}")
+            got = hvd.grouped_reducescatter([data[r], data[r][:n]], op=hvd.Sum,
+                                            prescale_factor=pre, postscale_factor=post)
+            check(got[0], mine, f"grouped reducescatter x{pre},{post} {dtype}")
+            check(got[1], scaled(lambda d: d[:n])[r:r + 1], f"grouped 2nd x{pre},{post} {dtype}")
     # objects, barrier, join
     assert hvd.broadcast_object({"from": r, "list": [1, 2]}, root_rank=n - 1) == \
         {"from": n - 1, "list": [1, 2]}
@@ -170,6 +185,22 @@ def body_other_collectives():
             check(got, torch.ones(4), "allreduce with joined ranks")
     last = hvd.join()
     assert last == 0, last
+    # join first on each rank in turn: the others' broadcast, allgather and reducescatter fail
+    # at once (only allreduce is possible while a rank has joined), then they join too
+    if n > 1:
+        for first in range(n):
+            if r != first:
+                for name, call in (("broadcast", lambda: hvd.broadcast(torch.ones(3), r)),
+                                   ("allgather", lambda: hvd.allgather(torch.ones(3))),
+                                   ("reducescatter", lambda: hvd.reducescatter(torch.ones(n)))):
+                    try:
+                        call()
+                        raise AssertionError(f"{name} with rank {first} joined did not fail")
+                    except RuntimeError as exc:
+                        assert "joined" in str(exc), exc
+            last = hvd.join()
+            assert last != first, (last, first)
+            assert hvd.allgather_object(last) == [last] * n
     return "ok"
 
 
@@ -183,14 +214,14 @@ def body_topology():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
+@pytest.mark.parametrize("np", [1, 2, 3, 5])
 def test_allreduce_every_dtype_and_op(backend, np):
     assert run_ranks(body_allreduce, np, backend) == ["ok"] * np
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("np", [1, 2, 3, 4])
+@pytest.mark.parametrize("np", [1, 2, 3, 5])
 def test_allgather_broadcast_alltoall_reducescatter_objects(backend, np):
     assert run_ranks(body_other_collectives, np, backend) == ["ok"] * np
 
