@@ -2,7 +2,8 @@
 single-process simulations of n workers and servers written here, over real Gloo and MPI ranks.
 
 One 4-process run per backend covers 1 to 4 ranks: groups of 2, 3 (+ 1) and 4 split from the
-world run the compressed allreduce and both optimizers (``topology=``); the world also runs the
+world run the compressed allreduce and both optimizers (``topology=``), also with elements whose
+gradient is 0 through the warm-up and a 50-step MLP with a dead unit; the world also runs the
 public op, the optimizers through the job's context, and the bitwise resume.  A third run checks
 the hierarchical variant on 2 nodes x 2.
 """
@@ -24,6 +25,7 @@ TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float64: dict(rtol=1e-12
 OPT_TOL = dict(rtol=1e-5, atol=1e-6)   # optimizers: ranks average in another order than here
 SHAPES = [(5, 7), (5,), (3,)]          # the last parameter never gets a gradient
 STEPS, FREEZE = 7, 3
+DEAD = [(0, (2,)), (1, (1,))]          # (parameter, index): no gradient in the warm-up (grads_dead)
 
 
 def data(rank, call, numel, dtype, seed=0):
@@ -55,6 +57,7 @@ class SimAllreduce:
         self.worker = [torch.zeros(numel, dtype=dtype) for _ in range(n)]
         self.server = torch.zeros(numel, dtype=dtype)
         self.bytes = [0] * n
+        self.max_scales = [torch.zeros(len(self.lengths)) for _ in range(n)]
 
     def pieces(self, lo, hi):
         out, pos = [], 0
@@ -71,6 +74,8 @@ class SimAllreduce:
         for r in range(n):
             c = self.worker[r] + inputs[r]
             sent.append(sim_compress(c, self.lengths))
+            self.max_scales[r] = torch.maximum(self.max_scales[r],
+                                               torch.stack(sim_scales(c, self.lengths)).float())
             self.worker[r] = c - sent[r]
             # what a server rebuilds: sign * (scale / n) in float32 (float64), 1/n in the scale
             signs.append(torch.where(c >= 0, 1.0, -1.0).to(sd))
@@ -106,10 +111,51 @@ def grads_of(rank, step, params):
     return out + [None]
 
 
+def grads_dead(rank, step, params):
+    """grads_of with the DEAD elements at exactly 0 through the warm-up (a dead unit: their
+    frozen variance is 0) and 100 times larger after it (the unit comes back to life)."""
+    out = grads_of(rank, step, params)
+    for i, index in DEAD:
+        out[i][index] = 0.0 if step <= FREEZE else 100.0 * out[i][index]
+    return out
+
+
+def dead_mask(params):
+    """Per parameter, True where grads_dead gives 0 through the warm-up: the DEAD elements and
+    the last parameter."""
+    masks = [torch.zeros(p.shape, dtype=torch.bool) for p in params]
+    for i, index in DEAD:
+        masks[i][index] = True
+    masks[-1][:] = True
+    return masks
+
+
+class OneRank:
+    """A communicator of one rank, with what the compressed allreduce calls."""
+    rank, size = 0, 1
+
+    def alltoall(self, t, send, recv):
+        return t.clone()
+
+    def allgather(self, t, counts):
+        return t.clone()
+
+
+def one_rank_topology():
+    from horovod_ext.backends.topology import Topology
+    one = OneRank()
+    return Topology(world=one, local=one, cross=one, hostnames=["h"], node_of=[0],
+                    local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                    is_homogeneous=True)
+
+
 def sim_optimizer(kind, ranks, steps, freeze, lr=0.01, betas=(0.9, 0.999), eps=1e-8, wd=0.01,
-                  coeff_beta=0.9, fmin=0.5, fmax=4.0, thr=0.1, cmin=0.01, cmax=10.0):
+                  coeff_beta=0.9, fmin=0.5, fmax=4.0, thr=0.1, cmin=0.01, cmax=10.0,
+                  grads_fn=grads_of, sims=None):
     """1-bit Adam / 1-bit LAMB as their Algorithm 1 on simulated workers (the gradients of
-    ``ranks``); the parameters after each step."""
+    ``ranks``); the parameters after each step.  Elements whose frozen variance is 0 have their
+    momentum held at 0 before and after the compressed allreduce.  ``sims``: a list that gets
+    the simulated allreduce."""
     b1, b2 = betas
     n = len(ranks)
     params = init_params()
@@ -118,10 +164,12 @@ def sim_optimizer(kind, ranks, steps, freeze, lr=0.01, betas=(0.9, 0.999), eps=1
     v = [torch.zeros_like(p) for p in params]
     c_avg = [0.0] * len(params)
     comm = SimAllreduce(n, sum(numels), numels if kind == "adam" else None, torch.float32)
+    if sims is not None:
+        sims.append(comm)
     history = []
     for t in range(1, steps + 1):
         grads = [[g if g is not None else torch.zeros_like(p)
-                  for g, p in zip(grads_of(r, t, params), params)] for r in ranks]
+                  for g, p in zip(grads_fn(r, t, params), params)] for r in ranks]
         if t <= freeze:
             for i, p in enumerate(params):
                 g = sum(grads[r][i] for r in range(n)) / n
@@ -135,6 +183,7 @@ def sim_optimizer(kind, ranks, steps, freeze, lr=0.01, betas=(0.9, 0.999), eps=1
                     c = min(max(pn / un if pn > 0 and un > 0 else 1.0, cmin), cmax)
                     c_avg[i] = coeff_beta * c_avg[i] + (1 - coeff_beta) * c
                     params[i] = p - lr * c * u
+            zero = [x == 0 for x in v]
             if t == freeze and kind == "lamb":
                 c_frozen = [c / (1 - coeff_beta ** t) for c in c_avg]
                 scales = [float(x.norm()) / math.sqrt(x.numel()) for x in m]
@@ -144,11 +193,13 @@ def sim_optimizer(kind, ranks, steps, freeze, lr=0.01, betas=(0.9, 0.999), eps=1
                 r_last = [1.0] * len(params)
         else:
             coeff_t = coeff if kind == "lamb" else [1.0] * len(params)
-            local = [torch.cat([((b1 * m[i] + (1 - b1) * grads[r][i]) * coeff_t[i]).reshape(-1)
+            local = [torch.cat([((b1 * m[i] + (1 - b1) * grads[r][i]) * coeff_t[i])
+                                .masked_fill(zero[i], 0.0).reshape(-1)
                                 for i in range(len(params))]) for r in range(n)]
             avg = torch.split(comm(local), numels)
             m_prev = m
-            m = [a.view_as(p) / coeff_t[i] for i, (a, p) in enumerate(zip(avg, params))]
+            m = [(a.view_as(p) / coeff_t[i]).masked_fill(zero[i], 0.0)
+                 for i, (a, p) in enumerate(zip(avg, params))]
             m[-1] = m[-1] * 0.0   # exp_avg_mask
             for i, p in enumerate(params):
                 u = m[i] / (v[i].sqrt() + eps) + wd * p
@@ -167,7 +218,7 @@ def sim_optimizer(kind, ranks, steps, freeze, lr=0.01, betas=(0.9, 0.999), eps=1
 
 
 # --- bodies run in every rank ---------------------------------------------------------------
-def _train(opt_cls, topology, steps, rank, name, weight_decay=0.01, **kw):
+def _train(opt_cls, topology, steps, rank, name, weight_decay=0.01, grads_fn=grads_of, **kw):
     params = [torch.nn.Parameter(p) for p in init_params()]
     # DeepSpeed's exp_avg_mask keeps the never-trained parameter's momentum at exactly 0, which
     # one scale for the fused buffer (1-bit LAMB) cannot represent
@@ -176,15 +227,66 @@ def _train(opt_cls, topology, steps, rank, name, weight_decay=0.01, **kw):
                   hierarchical=False, name=name, **kw)
     history = []
     for t in range(1, steps + 1):
-        for p, g in zip(params, grads_of(rank, t, [p.detach() for p in params])):
+        for p, g in zip(params, grads_fn(rank, t, [p.detach() for p in params])):
             p.grad = g
         opt.step()
         history.append([p.detach().clone() for p in params])
     return history, opt.bytes_sent
 
 
-def _groups_body():
-    """Per group size: compressed allreduce cases, OnebitAdam, OnebitLamb on split groups."""
+MLP_STEPS, MLP_FREEZE, MLP_DEAD = 50, 4, 5   # MLP_DEAD: the hidden unit that never fires
+MLP_SIZES = (2, 3)                           # groups of 2, 2 and 3, 1 (Gloo only)
+MLP_LR = {"adam": 0.01, "lamb": 0.01}
+MLP_LOSS_DROP = 0.75                         # mean of the last 10 losses / mean in the warm-up
+
+
+def mlp_batch(rank, step):
+    """A rank's regression batch; input feature 3 is always 0 (its first-layer weights are
+    never used)."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    x = torch.randn(32, 4, generator=g)
+    x[:, 3] = 0.0
+    return x, torch.sin(x[:, :1]) + 0.5 * x[:, 1:2] - 0.3 * x[:, 2:3] ** 2
+
+
+def mlp_frozen_zeros(params):
+    """Per MLP parameter, where its gradient is 0 at every step: the dead unit's weights in and
+    out, its bias, the weights of the unused input feature."""
+    masks = [torch.zeros(p.shape, dtype=torch.bool) for p in params]
+    masks[0][MLP_DEAD] = True
+    masks[0][:, 3] = True
+    masks[1][MLP_DEAD] = True
+    masks[2][:, MLP_DEAD] = True
+    return masks
+
+
+def _train_mlp(opt_cls, topology, rank, name, lr, **kw):
+    """4 -> 8 -> 1 ReLU MLP with a dead hidden unit: (per-step losses, parameters after the
+    freeze step, final parameters)."""
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        model[0].bias[MLP_DEAD] = -100.0
+    opt = opt_cls(model.parameters(), lr=lr, freeze_step=MLP_FREEZE, topology=topology,
+                  hierarchical=False, name=name, **kw)
+    losses, at_freeze = [], None
+    for t in range(1, MLP_STEPS + 1):
+        x, y = mlp_batch(rank, t)
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if t == MLP_FREEZE:
+            at_freeze = [p.detach().clone() for p in model.parameters()]
+    return losses, at_freeze, [p.detach().clone() for p in model.parameters()]
+
+
+def _groups_body(mlp):
+    """Per group size: compressed allreduce cases, OnebitAdam, OnebitLamb on split groups; with
+    ``mlp``, the dead-unit MLP on groups of MLP_SIZES."""
     from horovod_ext.backends import context
     from horovod_ext.backends.topology import Topology
     from horovod_ext.algorithms.onebit import ErrorFeedback, OnebitAdam, OnebitLamb, compressed_allreduce_
@@ -208,6 +310,12 @@ def _groups_body():
             lamb = _train(OnebitLamb, topo, STEPS, r, f"lamb{size}", freeze_step=FREEZE)
             lamb1 = _train(OnebitLamb, topo, 3, r, f"lamb1.{size}", freeze_step=1)
             results[size] = dict(group=g.size, cases=cases, adam=adam, lamb=lamb, lamb1=lamb1)
+            for kind, cls in (("adam", OnebitAdam), ("lamb", OnebitLamb)):
+                results[size][kind + "_dead"] = _train(cls, topo, STEPS, r, f"{kind}d{size}",
+                                                       freeze_step=FREEZE, grads_fn=grads_dead)
+                if mlp and size in MLP_SIZES:
+                    results[size][kind + "_mlp"] = _train_mlp(cls, topo, r, f"{kind}m{size}",
+                                                              MLP_LR[kind])
         return results
 
     return context.current().execute("test.onebit.groups", run)
@@ -284,8 +392,8 @@ def _world_body(tmpdir):
     return out
 
 
-def _body(tmpdir):
-    return _groups_body(), _world_body(tmpdir)
+def _body(tmpdir, mlp):
+    return _groups_body(mlp), _world_body(tmpdir)
 
 
 def _hier_body():
@@ -327,6 +435,17 @@ def adam_on_averaged_gradients(steps: int):
     return params
 
 
+def check_mlp(losses, at_freeze, final, what):
+    """Finite, the loss falls, the parameters that never had a gradient did not move after
+    the freeze."""
+    assert all(math.isfinite(x) for x in losses), (what, losses)
+    assert all(torch.isfinite(p).all() for p in final), what
+    first, last = sum(losses[:MLP_FREEZE]) / MLP_FREEZE, sum(losses[-10:]) / 10
+    assert last < MLP_LOSS_DROP * first, (what, first, last)
+    for a, b, mask in zip(final, at_freeze, mlp_frozen_zeros(final)):
+        assert torch.equal(a[mask], b[mask]), what
+
+
 def check_opt(history, expected, what):
     assert len(history) == len(expected)
     for t, (got, exp) in enumerate(zip(history, expected)):
@@ -339,7 +458,10 @@ def check_opt(history, expected, what):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_onebit_every_process_count(backend):
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(_body, 4, backend, args=(tmp,), timeout=120)
+        # the MLP runs over Gloo only: the optimizers do not depend on the backend, and 200
+        # more steps cost 4 oversubscribed MPI ranks far more time
+        mlp = backend == "gloo"
+        results = run_ranks(_body, 4, backend, args=(tmp, mlp), timeout=120)
     groups = [g for g, _ in results]
     world = [w for _, w in results]
     for size in (2, 3, 4):
@@ -377,6 +499,21 @@ def test_onebit_every_process_count(backend):
                 check_opt(history, expected, f"{backend} lamb freeze_step=1 n={n}")
                 # freeze_step=1 keeps moving (the frozen coefficient is not 0)
                 assert not torch.equal(history[-1][0], history[-2][0])
+            # frozen variance 0 (no gradient in the warm-up): no momentum step, on every rank
+            for kind in ("adam", "lamb"):
+                expected = sim_optimizer(kind, list(members), STEPS, FREEZE,
+                                         grads_fn=grads_dead)
+                for r in members:
+                    history, _ = groups[r][size][kind + "_dead"]
+                    check_opt(history, expected, f"{backend} {kind} frozen zeros n={n} rank {r}")
+                if not mlp or size not in MLP_SIZES:
+                    continue
+                final = groups[members[0]][size][kind + "_mlp"][2]
+                for r in members:
+                    losses, at_freeze, params = groups[r][size][kind + "_mlp"]
+                    check_mlp(losses, at_freeze, params, f"{backend} {kind} MLP n={n} rank {r}")
+                    for a, b in zip(params, final):
+                        assert torch.equal(a, b), (backend, kind, n, r)
     # the world: op, grouped op, DistributedOptimizer, optimizers via the context
     sim_single = SimAllreduce(4, 300, None, torch.float32)
     sim_group = SimAllreduce(4, 61, [40, 21], torch.float32)
@@ -536,22 +673,14 @@ def test_bytes_and_error_compensation_single_process():
         torch.testing.assert_close(total_out + residual, total_in, rtol=1e-4, atol=1e-3)
         assert float((total_out - total_in).norm()) < 3 * float((sum(x) / n).norm())
     # size 1 runs the same algorithm without communication; misuse is a clear error
-    class One:
-        rank, size = 0, 1
-
-        def alltoall(self, t, send, recv):
-            return t.clone()
-
-        def allgather(self, t, counts):
-            return t.clone()
     errors, sim1 = ErrorFeedback(), SimAllreduce(1, 50, None, torch.float32)
     for call in range(3):
         x = data(0, call, 50, torch.float32)
-        torch.testing.assert_close(compressed_allreduce_(x, One(), errors), sim1([x.clone()]),
+        torch.testing.assert_close(compressed_allreduce_(x, OneRank(), errors), sim1([x.clone()]),
                                    rtol=0, atol=0)
     assert errors.bytes_sent == 0
     with pytest.raises(ValueError, match="error state"):
-        compressed_allreduce_(torch.ones(51), One(), errors)
+        compressed_allreduce_(torch.ones(51), OneRank(), errors)
 
 
 def test_optimizer_arguments():
@@ -564,3 +693,67 @@ def test_optimizer_arguments():
     with pytest.raises(TypeError, match="unexpected"):
         OnebitLamb(p, max_cooeff=3.0)
     OnebitLamb(p, deepspeed=None, cuda_aware=False, comm_backend_name="nccl")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_frozen_zero_variance_single_process(kind, weight_decay):
+    """Regression: elements whose gradient is exactly 0 through the warm-up (a dead unit, a
+    parameter never used) have a frozen variance of 0, which 1-bit compression cannot match
+    (it never sends 0): ``sign * scale / (0 + eps)`` put them ~1e6 away and the parameters were
+    NaN a few steps after the freeze.  Step by step against sim_optimizer (the rule written
+    out) to OPT_TOL; those elements take no momentum step (weight decay only), and their
+    worker error stays within the largest scale of their layer although their gradient comes
+    back 100 times larger after the freeze."""
+    from horovod_ext.algorithms.onebit import OnebitAdam, OnebitLamb
+    steps, lr = 12, 0.01
+    params = [torch.nn.Parameter(p) for p in init_params()]
+    opt = (OnebitAdam if kind == "adam" else OnebitLamb)(
+        params, lr=lr, weight_decay=weight_decay, freeze_step=FREEZE,
+        topology=one_rank_topology(), hierarchical=False)
+    history = []
+    for t in range(1, steps + 1):
+        for p, g in zip(params, grads_dead(0, t, [p.detach() for p in params])):
+            p.grad = g
+        opt.step()
+        history.append([p.detach().clone() for p in params])
+    assert all(torch.isfinite(p).all() for ps in history for p in ps)
+    sims = []
+    expected = sim_optimizer(kind, [0], steps, FREEZE, lr=lr, wd=weight_decay,
+                             grads_fn=grads_dead, sims=sims)
+    check_opt(history, expected, f"{kind} wd={weight_decay}")
+    dead = dead_mask(params)
+    for p, mask in zip(params, dead):
+        assert torch.equal(opt.state[p]["exp_avg_sq"] == 0, mask)   # the case is as meant
+        assert not opt.state[p]["exp_avg"][mask].any()
+    for t in range(FREEZE, steps):
+        for i, mask in enumerate(dead):
+            now, frozen = history[t][i][mask], history[FREEZE - 1][i][mask]
+            if weight_decay == 0.0:
+                assert torch.equal(now, frozen), (t, i)
+            elif kind == "adam":   # x (1 - lr wd)^k; float32 rounding of 2 ops a step
+                decayed = frozen * (1 - lr * weight_decay) ** (t + 1 - FREEZE)
+                torch.testing.assert_close(now, decayed, rtol=1e-5, atol=0)
+    sim = sims[0]
+    worker = opt.state_dict()["onebit"]["errors"][0]["worker"]
+    torch.testing.assert_close(worker, sim.worker[0], **OPT_TOL)
+    flat_dead = torch.cat([m.reshape(-1) for m in dead])
+    layer_of = torch.repeat_interleave(torch.arange(len(sim.lengths)), torch.tensor(sim.lengths))
+    bound = sim.max_scales[0][layer_of[flat_dead]]
+    assert (worker[flat_dead].abs() <= bound * (1 + 1e-6)).all(), (worker[flat_dead], bound)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("options", [{}, {"bias_correction": True}, {"eps_inside_sqrt": True}],
+                         ids=["default", "bias_correction", "eps_inside_sqrt"])
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_mlp_dead_unit_single_process(kind, options):
+    """The bug as reported: a small MLP with a dead ReLU unit and an unused input, freeze_step=4,
+    was NaN within 12 steps (with eps inside the square root, its dead weights moved 1e4 times
+    the compressed momentum a step).  Now finite, its loss falls, and the weights that never
+    had a gradient stay where the warm-up left them (the group runs check 1 to 4 processes)."""
+    from horovod_ext.algorithms.onebit import OnebitAdam, OnebitLamb
+    cls = OnebitAdam if kind == "adam" else OnebitLamb
+    check_mlp(*_train_mlp(cls, one_rank_topology(), 0, None, MLP_LR[kind], **options),
+              f"{kind} MLP {options}")

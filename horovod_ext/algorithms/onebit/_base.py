@@ -5,6 +5,10 @@ parameter's ``exp_avg`` is a view of (1-bit LAMB section 4.2), so the compressio
 compressed allreduce per step.  Communication runs through the job's context
 (``context.current().execute``) as named engine requests, ordered with every other collective on
 every rank, or directly on an explicit ``topology``.
+
+Elements whose frozen variance is exactly 0 (no gradient in the whole warm-up: a dead unit, an
+unused embedding row) have their momentum held at 0 on both sides of the compressed allreduce,
+so they take no momentum step; see ``OnebitAdam``'s module docstring for why.
 """
 import itertools
 import weakref
@@ -32,9 +36,23 @@ class _Fused:
         self.flat = flat
         self.lengths = [p.numel() for p in params]
         self.errors = ErrorFeedback()
+        # flat indices where the frozen variance is 0; found at the first compressed step,
+        # when the variance no longer changes
+        self.frozen_zeros: Optional[torch.Tensor] = None
 
     def views(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [v.view_as(p) for v, p in zip(torch.split(flat, self.lengths), self.params)]
+
+    def hold_frozen_zeros(self, state) -> None:
+        """Set the momentum to 0 where the frozen variance is 0.  1-bit compression cannot send
+        a 0, and ``sign * scale / (sqrt(0) + eps)`` would throw such an element ~scale/eps
+        away.  Every rank holds the same elements: the variance comes from gradients averaged
+        at full precision, the same on every rank."""
+        if self.frozen_zeros is None:
+            zero = torch.cat([(state[p]["exp_avg_sq"] == 0).reshape(-1) for p in self.params])
+            self.frozen_zeros = zero.nonzero().squeeze(1)
+        if self.frozen_zeros.numel():
+            self.flat.index_fill_(0, self.frozen_zeros, 0.0)
 
 
 class OnebitOptimizer(torch.optim.Optimizer):
@@ -157,7 +175,14 @@ class OnebitOptimizer(torch.optim.Optimizer):
         return [f.views(flat) for f, flat in zip(fused, flats)]
 
     def _compress_momentum(self, fused: List[_Fused], per_layer_scales: bool) -> None:
-        """Replace every flat momentum by its compressed average (one call per buffer)."""
+        """Replace every flat momentum by its compressed average (one call per buffer), the
+        elements whose frozen variance is 0 held at 0 before and after it."""
+        for f in fused:
+            # before: a gradient such an element gets after the warm-up would pile up in the
+            # worker error (its share of the output is discarded), which would then swell its
+            # layer's scale; held at 0, its error stays within one scale
+            f.hold_frozen_zeros(self.state)
+
         def run(topology):
             hier = self._hierarchical_on(topology)
             made_in = self._errors_topology() if self._errors_topology is not None else None
@@ -176,6 +201,8 @@ class OnebitOptimizer(torch.optim.Optimizer):
                 else:
                     compressed_allreduce_(f.flat, topology.world, f.errors, lengths)
         self._communicate("momentum", run)
+        for f in fused:
+            f.hold_frozen_zeros(self.state)
 
     @staticmethod
     def _local_grad(p: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,17 @@ Choices, where the paper and DeepSpeed leave room:
   ``freeze_step`` stays the upper bound.
 - At size 1 the algorithm runs unchanged (the momentum is still compressed), without
   communication.
+- Elements whose frozen variance is exactly 0 (their averaged gradient was 0 all through the
+  warm-up: a dead ReLU unit, an unused embedding row) take no momentum step after the freeze.
+  1-bit compression never sends a 0, and ``sign * scale / (sqrt(0) + eps)`` would throw them
+  about ``scale / eps`` away (NaN within steps); the paper assumes every ``v > 0``, DeepSpeed
+  leaves it to a user ``exp_avg_mask``.  Their momentum is held at 0 before the compressed
+  allreduce (a gradient they get later does not pile up in the worker error, which stays
+  within one scale of their layer) and after it, on every rank alike (the variance comes from
+  the averaged gradients).  Weight decay still moves them, as in the warm-up.  Bias correction
+  and ``eps_inside_sqrt`` keep 0 at 0; ``eps`` must be > 0 where gradients are exactly 0 (0/0
+  is NaN from the warm-up on, as in ``torch.optim.Adam``).  A variance that is tiny but not 0
+  is used as it is.
 """
 from typing import Optional, Tuple
 

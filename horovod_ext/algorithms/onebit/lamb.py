@@ -19,7 +19,10 @@ Choices: no bias correction by default (the paper's equation (2); DeepSpeed igno
 the frozen ``c_avg`` is bias-corrected, ``c_avg / (1 - coeff_beta^T_w)``, so that a short warm-up
 (even freeze_step=1) does not shrink every later step (DeepSpeed's first step drops the batch and
 leaves ``c_avg`` at 0 with freeze_step <= 1); elements where both variances are 0 are left out of
-the ratio's maximum.
+the ratio's maximum.  Elements whose frozen variance is 0 (no gradient in the whole warm-up) take
+no momentum step, as in ``OnebitAdam`` (see its "Choices"): their momentum is held at 0 on both
+sides of the compressed allreduce, so their reconstructed gradient and fresh variance stay 0 and
+they stay out of the ratio; weight decay still moves them.
 """
 from typing import Optional, Tuple
 
