@@ -2,7 +2,9 @@
 
 One code path for both devices: each communicator holds a Gloo process group and, where CUDA and
 NCCL are available and wanted, an NCCL group over the same ranks; a call picks the group from the
-tensor's device.  CUDA tensors without NCCL are staged through host memory over Gloo.
+tensor's device.  CUDA tensors without NCCL are staged through host memory over Gloo.  Before
+its first NCCL collective a communicator checks, over Gloo, that no two of its ranks drive the
+same GPU (``devices``), so that such a layout fails at once, saying what to change.
 """
 import datetime
 from typing import Sequence
@@ -10,6 +12,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import devices
 from .base import CommunicationError, Communicator, ReduceOp
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on releases either side of that.
@@ -44,6 +47,7 @@ class TorchCommunicator(Communicator):
         self._cuda_group = cuda_group
         self._timeout = timeout
         self._owns_groups = False
+        self._gpu_error = None  # None: not checked yet; "": every rank has a GPU of its own
 
     @classmethod
     def world(cls, use_nccl: bool, timeout: datetime.timedelta) -> "TorchCommunicator":
@@ -52,13 +56,28 @@ class TorchCommunicator(Communicator):
         return cls(range(dist.get_world_size()), dist.group.WORLD, cuda_group, timeout)
 
     # --- helpers ------------------------------------------------------------------------------
-    def _group_for(self, tensor: torch.Tensor):
+    def _group_for(self, tensor: torch.Tensor, collective: bool = True):
+        """(group, tensor to pass, original to copy back into or None).  ``collective``: every
+        rank of this communicator makes the same call now, so it may check the GPUs first (a
+        send/receive involves two ranks only: it relies on an earlier collective's check)."""
         if tensor.is_cuda and self._cuda_group is not None:
+            if self._gpu_error is None and collective:
+                self._gpu_error = self.shared_gpu_error(devices.local_gpu(tensor.device)) or ""
+            if self._gpu_error:
+                raise devices.SharedGpuError(self._gpu_error)
             return self._cuda_group, tensor, None
         if tensor.is_cuda:  # no NCCL: stage through host memory over Gloo
             host = tensor.cpu()
             return self._cpu_group, host, tensor
         return self._cpu_group, tensor, None
+
+    def shared_gpu_error(self, gpu) -> str:
+        """Every rank's ``gpu`` (``devices.Gpu``) gathered over Gloo: the error to raise when
+        ranks of this communicator share a GPU, "" when none do."""
+        if self.size == 1:
+            return ""
+        gpus = self.allgather_object(tuple(gpu))
+        return devices.shared_gpu_message(gpus, self.global_ranks) or ""
 
     # --- collectives --------------------------------------------------------------------------
     # Neither Gloo nor NCCL knows int16: it moves as float16 bits and is reduced as int32
@@ -146,10 +165,10 @@ class TorchCommunicator(Communicator):
         works = []
         staged = None
         if recv is not None:
-            group, staged, orig = self._group_for(recv)
+            group, staged, orig = self._group_for(recv, collective=False)
             works.append(dist.irecv(staged, self.global_ranks[src], group=group))
         if send is not None:
-            group, t, _ = self._group_for(send)
+            group, t, _ = self._group_for(send, collective=False)
             works.append(dist.isend(t.contiguous(), self.global_ranks[dst], group=group))
         for w in works:
             w.wait()
