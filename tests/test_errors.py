@@ -200,13 +200,20 @@ def body_deadlock():
     except hvd.HorovodInternalError as exc:
         error = str(exc)
     took = time.monotonic() - start
+    try:  # every later call fails too, until hvd.init() starts afresh
+        hvd.allreduce(torch.ones(2), name="too_late")
+        later = None
+    except hvd.HorovodInternalError as exc:
+        later = str(exc)
+    hvd.shutdown()
+    hvd.init()
     after = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()
     # A slow rank is no deadlock: rank 0 computes (a sleep stands for it) while the others
     # wait twice the deadlock time for it.
     if r == 0:
         time.sleep(2 * DEADLOCK_S)
     slow = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="slow").tolist()
-    return error, took, after, slow
+    return error, took, later, after, slow
 
 
 @pytest.mark.timeout(120)
@@ -214,15 +221,16 @@ def body_deadlock():
 def test_deadlocked_ranks_fail_naming_what_each_submitted(backend):
     """Three ranks, two of them in a barrier and one in a reducescatter: every rank raises
     within the deadlock time (plus cycles), naming both tensors and who submitted them; the
-    ranks go on working afterwards, and a rank that is merely slow is waited for."""
+    ranks work again after hvd.init(), and a rank that is merely slow is waited for."""
     env = {"HOROVOD_DEADLOCK_TIME_SECONDS": str(DEADLOCK_S)}
     results = run_ranks(body_deadlock, 3, backend, env=env, timeout=90)
-    for r, (error, took, after, slow) in enumerate(results):
+    for r, (error, took, later, after, slow) in enumerate(results):
         assert error is not None, f"rank {r} did not fail"
         assert "deadlock" in error and "HOROVOD_DEADLOCK_TIME_SECONDS" in error, error
         assert "'skipped_by_the_others' submitted by ranks [1], not by ranks [0, 2]" in error
         assert "'barrier" in error and "submitted by ranks [0, 2], not by ranks [1]" in error
         assert DEADLOCK_S <= took < DEADLOCK_S + 10, (r, took)
+        assert later is not None and "deadlock" in later and "hvd.init() again" in later, later
         assert after == [3.0, 3.0] and slow == [3.0], (after, slow)
 
 

@@ -103,10 +103,9 @@ class Engine:
 
     def wait_for(self, handle: Handle):
         if not handle.done() and self._cycle_lock.acquire(blocking=False):
-            # A caller blocked on a fresh request runs that request's first cycle itself: two
-            # thread hand-offs less on every synchronous call.  Meanwhile the background thread
-            # stays asleep (a cycle longer than the cycle time would otherwise wake it to queue
-            # on the lock and contend for the interpreter).
+            # A caller blocked on a fresh request runs its first cycle itself: two thread
+            # hand-offs less per synchronous call.  The background thread stays asleep (a long
+            # cycle would otherwise wake it to queue on the lock and contend for the GIL).
             try:
                 with self._cond:
                     fresh = (bool(self._new) and not self._stopped
@@ -304,9 +303,8 @@ class Engine:
         self.stats["cache_hits"] += len(cache_ids)
         self.stats["announced"] += len(announce)
         aborts = self._negotiator.take_aborts()
-        # Only long waits count towards a deadlock: the steady state's messages stay equal.
-        waiting = self._waiters.blocked_for(min(1.0, self.config.deadlock_s / 2))
-        message = wire.encode(cache_ids, announce, shutdown, aborts, waiting)
+        message = wire.encode(cache_ids, announce, shutdown, aborts,
+                              self._waiters.long_blocked(self.config.deadlock_s))
         messages = self.control.agree(message, caller_blocked)
         self.stats["cycles"] += 1
         only_cached = not announce and not shutdown and not aborts
@@ -327,6 +325,8 @@ class Engine:
         gathered = [wire.decode(m) for m in (messages or [message] * self.size)]
         now = time.monotonic()
         activity, any_shutdown = negotiator.absorb(gathered, now, self._fail_local)
+        if negotiator.fatal:  # _run_round fails everything and stops the engine
+            raise HorovodInternalError(negotiator.fatal)
         ready = negotiator.collect_ready()
         self._last_round_active = activity or bool(ready)
         self._execute(ready)
@@ -349,7 +349,8 @@ class Engine:
                     request.handle._finish(error=HorovodInternalError(error))
                 continue
             if request is None:
-                request = zeros_request(name, next(iter(metas.values())), Handle(name, self))
+                request = zeros_request(name, next(iter(metas.values())), Handle(name, self),
+                                        self._local.get(JOIN_NAME))
             self._negotiator.cache.add(name, metas)
             resolved.append((request, metas))
         batches = plan_batches(resolved, self.config.fusion_threshold,

@@ -7,7 +7,7 @@ the set's communicators.  An op or a runner that raises fails only its own reque
 stops).
 """
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -21,10 +21,16 @@ from .requests import Handle, HorovodInternalError, Request, RequestMeta, track
 Metas = Dict[int, RequestMeta]
 
 
-def zeros_request(name: str, meta: RequestMeta, handle: Handle) -> Request:
+def zeros_request(name: str, meta: RequestMeta, handle: Handle,
+                  join: Optional[Request]) -> Request:
     """The part of a rank that has joined in a request it did not submit: zeros of the agreed
-    shapes and dtype, so an allreduce counts it as contributing nothing."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if meta.device == "cuda" else "cpu"
+    shapes and dtype, so an allreduce counts it as contributing nothing.  CUDA zeros go to the
+    device that this rank's ``join`` request names: join() finds it in the caller's thread
+    (the current device is per thread, and this is the engine's)."""
+    dev = "cpu"
+    if meta.device == "cuda":
+        dev = (join.tensors[0].device if join is not None and join.tensors
+               else torch.device("cuda", torch.cuda.current_device()))
     tensors = [torch.zeros(s, dtype=getattr(torch, meta.dtype), device=dev)
                for s in meta.shapes]
     r = Request(name, meta.kind, tensors, op=meta.op, root=meta.root, splits=meta.splits,

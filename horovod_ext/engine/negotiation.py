@@ -81,6 +81,9 @@ class ResponseCache:
         self.by_name.clear()
 
 
+STOP_ALL = ""   # an abort of this name stops every rank's engine (a deadlock)
+
+
 class Negotiator:
     """One process set's replicated negotiation state, as seen from rank ``rank`` of ``size``."""
 
@@ -96,6 +99,7 @@ class Negotiator:
         self.abort_next: List[Tuple[str, str]] = []   # (name, reason) rank 0 fails next cycle
         self.waiting: Set[int] = set()    # ranks whose last message said a caller is blocked
         self.deadlocked_since: Optional[float] = None
+        self.fatal: Optional[str] = None  # rank 0 stopped every rank's engine, for this reason
 
     def reconfigure(self, config: Config):
         """Take ``config``'s stall limits and cache capacity; a capacity of 0 empties the cache.
@@ -163,6 +167,9 @@ class Negotiator:
                 self.cache.evict(name)  # a new description replaces a cached one everywhere
                 self._note(name, rank, meta, now)
             for name, reason in message.aborts:
+                if name == STOP_ALL:
+                    self.fatal = reason
+                    continue
                 self.abandon(name)
                 fail(name, reason)
         return activity, any_shutdown
@@ -251,13 +258,16 @@ class Negotiator:
                 self.abort_next.append((name, f"tensor '{name}' stalled for more than "
                                               f"{abort_after:.0f} s (HOROVOD_STALL_SHUTDOWN_"
                                               f"TIME_SECONDS); {self.who_submitted(name)}"))
-        self._check_deadlock(now, aborting)
+        self._check_deadlock(now)
 
-    def _check_deadlock(self, now: float, aborting: Set[str]):
+    def _check_deadlock(self, now: float):
         """Every rank that has not joined is blocked waiting, and nothing pending has been
         submitted by all of them: no rank can submit the missing requests, so none of them
-        can ever complete (Horovod waits forever here).  Past the deadlock time, rank 0 fails
-        them all, naming who submitted what."""
+        can ever complete (Horovod waits forever here).  Past the deadlock time, rank 0 stops
+        every rank's engine, naming who submitted what: the ranks' programs have diverged (and
+        with them the counters that name unnamed requests), so every later call would
+        mismatch too; as after a communication failure, ``hvd.init()`` starts afresh (and
+        elastic training restores its state)."""
         limit = self.config.deadlock_s
         needed = set(range(self.size)) - set(self.joined)
         if limit <= 0 or not self.pending or not needed <= self.waiting:
@@ -268,9 +278,10 @@ class Negotiator:
         if now - self.deadlocked_since < limit or self.rank != 0:
             return
         who = "; ".join(f"'{name}' {self.who_submitted(name)}" for name in self.pending)
-        reason = (f"deadlock: every rank has been blocked for {limit:.0f} s "
+        reason = (f"deadlock: every rank has been blocked for {limit:g} s "
                   f"(HOROVOD_DEADLOCK_TIME_SECONDS) on collectives that not every rank "
                   f"submitted: {who}. The ranks called collectives in different orders, or "
-                  f"some ranks skipped one (for example after an exception on those ranks)")
-        self.abort_next.extend((name, reason) for name in self.pending if name not in aborting)
+                  f"some ranks skipped one (for example after an exception on those ranks); "
+                  f"call hvd.init() again to start afresh")
+        self.abort_next.append((STOP_ALL, reason))
         self.deadlocked_since = None

@@ -21,8 +21,10 @@ class Waiters:
         if self.count == 0:
             self._since = None
 
-    def blocked_for(self, seconds: float) -> bool:
-        """Whether some caller has been blocked at least ``seconds`` (read without the lock:
-        one attribute read, and a stale answer only delays the deadlock check by a cycle)."""
+    def long_blocked(self, deadlock_s: float) -> bool:
+        """Whether some caller has been blocked long enough to count towards a deadlock of
+        ``deadlock_s``.  Short waits do not count, so that the steady state's messages stay
+        equal on every rank.  Read without the lock: one attribute read, and a stale answer
+        only delays the deadlock check by a cycle."""
         since = self._since
-        return since is not None and time.monotonic() - since >= seconds
+        return since is not None and time.monotonic() - since >= min(1.0, deadlock_s / 2)
