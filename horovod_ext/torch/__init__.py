@@ -48,7 +48,12 @@ def init(comm=None, process_sets=None):
     ProcessSet objects to register now, or "dynamic" to allow ``add_process_set`` later (as
     HOROVOD_DYNAMIC_PROCESS_SETS=1 does)."""
     if _runtime.is_initialized():
-        return
+        if _runtime.engine().failure is None:
+            return
+        try:  # stopped by a failure (a lost peer, a deadlock): start afresh
+            shutdown()
+        except HorovodInternalError:
+            pass  # the requests it failed have reported the reason
     _runtime.init(comm)
     _mpi_ops.reset_names()
     _process_sets.start(process_sets)

@@ -309,7 +309,7 @@ def join(device=-1) -> int:
     allreduces (on GPU ``device``, or the current one, for their CUDA tensors).  Returns the
     rank that joined last."""
     gpu = []  # an empty tensor that says where this rank's zeros go
-    if device >= 0 or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if torch.cuda.is_available() and (device >= 0 or torch.cuda.is_initialized()):
         gpu = [torch.empty(0, device=torch.device(
             "cuda", device if device >= 0 else torch.cuda.current_device()))]
     return synchronize(_submit(Request(JOIN_NAME, "join", gpu), _first, wake=False))
