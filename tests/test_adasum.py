@@ -4,8 +4,12 @@ One 8-process run per backend covers every process count from 2 to 8: the world,
 sub-communicators of 2, 3, 4, 5 and 6 ranks split from it, each running the same code that
 ``hvd.allreduce(op=hvd.Adasum)`` runs on the world, by both of its paths: AdasumRVH and the
 gather path that small messages take; float16 and bfloat16 RVH too, and the device-generic torch
-code (what CUDA tensors run) on CPU tensors.
+code (what CUDA tensors run) on CPU tensors.  At counts that are not powers of two the tree is
+weighted by the ranks each side stands for (rvh.py), so parallel inputs give their mean; at powers
+of two the results are those of the unweighted code, bit for bit.
 """
+import hashlib
+
 import pytest
 import torch
 
@@ -18,30 +22,45 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 EXTRA_SIZES = (2, 3)
 # relative error (norm of the difference / norm of the reference) allowed per dtype
 REL_TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+# Splits whose groups (3 and 5 ranks) also combine parallel inputs, which must give their mean,
+# within PARALLEL_TOL per layer (relative).
+PARALLEL_SIZES = (3, 5)
+PARALLEL_TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+# Rank r's layer l is PARALLEL_SCALES[(r + l) % 8] times a vector shared by all ranks: small
+# dyadic factors times multiples of 1/256, so the inputs are exactly parallel even in float32.
+PARALLEL_SCALES = (1.0, 1.5, 0.75, 2.0, 1.25, 0.5, 1.75, 0.625)
 
 
 # --- the reference: Adasum by its formula, the tree over ranks ------------------------------
-def ref_pair(a, b, shapes):
-    """Adasum of two lists of tensors, layer by layer, in float64."""
+def ref_pair(a, b, shapes, ranks_a=1, ranks_b=1):
+    """Adasum of two lists of tensors, layer by layer, in float64, the sides standing for
+    ``ranks_a`` and ``ranks_b`` ranks: (1 - w_a a.b/|a|^2) a + (1 - w_b a.b/|b|^2) b with
+    w_a = ranks_a / (ranks_a + ranks_b); equal sides give the usual 1 - a.b/(2|a|^2)."""
+    w_a, w_b = ranks_a / (ranks_a + ranks_b), ranks_b / (ranks_a + ranks_b)
     out = []
     for x, y in zip(a, b):
         x, y = x.double().reshape(-1), y.double().reshape(-1)
         ab, aa, bb = float(x @ y), float(x @ x), float(y @ y)
-        ca = 1 - ab / (2 * aa) if aa > 0 else 1.0
-        cb = 1 - ab / (2 * bb) if bb > 0 else 1.0
+        ca = 1 - w_a * ab / aa if aa > 0 else 1.0
+        cb = 1 - w_b * ab / bb if bb > 0 else 1.0
         out.append(ca * x + cb * y)
     return [o.reshape(s) for o, s in zip(out, shapes)]
 
 
 def ref_tree(per_rank, shapes):
-    """Ranks r >= p folded into r - p, then (0,1), (2,3), ... and so on up the tree."""
+    """Ranks r >= p folded into r - p (two single ranks: the usual Adasum), then (0,1), (2,3),
+    ... and so on up the tree, each pair weighted by the ranks its two sides stand for."""
     xs = list(per_rank)
     p = 1 << (len(xs).bit_length() - 1)
+    ranks = [1] * p
     for r in range(p, len(xs)):
         xs[r - p] = ref_pair(xs[r - p], xs[r], shapes)
+        ranks[r - p] = 2
     xs = xs[:p]
     while len(xs) > 1:
-        xs = [ref_pair(xs[i], xs[i + 1], shapes) for i in range(0, len(xs), 2)]
+        xs = [ref_pair(xs[i], xs[i + 1], shapes, ranks[i], ranks[i + 1])
+              for i in range(0, len(xs), 2)]
+        ranks = [ranks[i] + ranks[i + 1] for i in range(0, len(ranks), 2)]
     return xs[0]
 
 
@@ -54,6 +73,27 @@ def rel_err(actual, expected):
 def layers_for(rank, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed * 100 + rank)
     return [torch.randn(s, generator=g).to(dtype) for s in LAYERS]
+
+
+def exact_vector(numel, seed):
+    """Multiples of 1/256 in [-3.9, 3.9], from integers only: the same values on every machine
+    and exact in float16 and up (no random generator, whose stream may change between versions)."""
+    i = torch.arange(numel, dtype=torch.int64)
+    return (((i * 7919 + (seed + 1) * 104729) % 2001) - 1000).double() / 256
+
+
+def parallel_layers(rank, dtype):
+    """Rank ``rank``'s layers, each a multiple of the same layer on every rank (see
+    PARALLEL_SCALES)."""
+    return [(exact_vector(torch.Size(s).numel(), seed=l)
+             * PARALLEL_SCALES[(rank + l) % len(PARALLEL_SCALES)]).to(dtype).reshape(s)
+            for l, s in enumerate(LAYERS)]
+
+
+def parallel_mean(members):
+    """The mean of ``parallel_layers`` over ``members``, per layer, in float64."""
+    return [sum(parallel_layers(r, torch.float64)[l] for r in members) / len(members)
+            for l in range(len(LAYERS))]
 
 
 # --- bodies run in every rank -------------------------------------------------------------
@@ -92,6 +132,18 @@ def _rvh_every_count():
             finally:
                 rvh_module.CHUNK_ELEMENTS = chunk
             extra = {}
+            if size in PARALLEL_SIZES:
+                # parallel inputs, C kernels and torch code, RVH and gather: checked for the mean
+                for dtype in (torch.float32, torch.float64):
+                    x = torch.cat([t.reshape(-1) for t in parallel_layers(r, dtype)])
+                    for host in (True, False):
+                        operator.HOST_CODE = host
+                        try:
+                            extra[("parallel", str(dtype), host)] = [
+                                adasum_allreduce_(x.clone(), bounds, group, gather_limit=g)
+                                for g in (0, 1 << 30)]
+                        finally:
+                            operator.HOST_CODE = True
             if size not in EXTRA_SIZES:
                 results[size] = (group.size, rvh, gathered, chunked, extra)
                 continue
@@ -191,6 +243,19 @@ def test_adasum_every_process_count(backend):
                         err = rel_err(got, expected_d)
                         assert err < REL_TOL[dtype], (backend, size, key, i, r, err)
                         assert torch.equal(flat, first[i] if isinstance(first, list) else first)
+            # Parallel inputs give their mean (Adasum's design), here at 3 and 5 ranks, where
+            # the unweighted tree gave other weights (1/4, 1/2, 1/4 at 3 ranks).
+            for dtype in (torch.float32, torch.float64) if size in PARALLEL_SIZES else ():
+                mean = parallel_mean(members)
+                for host in (True, False):
+                    key = ("parallel", str(dtype), host)
+                    for r in members:
+                        for path, flat in zip(("rvh", "gather"), results[r]["split"][size][4][key]):
+                            assert flat.dtype == dtype
+                            got = torch.split(flat, [s.numel() for s in shapes])
+                            errs = [rel_err([g], [e]) for g, e in zip(got, mean) if e.numel()]
+                            assert max(errs) < PARALLEL_TOL[dtype], (backend, size, key, path, r,
+                                                                     max(errs))
     for dtype in DTYPES:
         expected = ref_tree([layers_for(r, 50, dtype) for r in range(n)], shapes)
         for r in range(n):
@@ -369,6 +434,106 @@ def test_float32_dots_hold_float64_precision_at_extreme_magnitudes():
         ortho_b[0::2] = 0
         ortho = adasum_pair_(ortho_a.clone(), ortho_b, layers)
         assert rel_err([ortho], [ortho_a + ortho_b]) < 1e-6, scale
+
+
+# --- the weighted tree: unchanged bits at powers of two, the mean of parallel inputs -----------
+class _LocalComm:
+    """Every rank's vector in one process, seen from rank 0: what gather_adasum_ asks of a
+    communicator (the allgather, and at two ranks the exchange)."""
+
+    def __init__(self, rows):
+        self.rows, self.size, self.rank = rows, len(rows), 0
+
+    def allgather(self, t):
+        return torch.stack(self.rows)
+
+    def sendrecv(self, send, dst, recv, src):
+        recv.copy_(self.rows[src])
+
+
+def _gather_locally(rows):
+    """gather_adasum_ (the tree every rank runs on the small-message path) over ``rows``."""
+    from horovod_ext.algorithms.adasum.gather import gather_adasum_
+    from horovod_ext.algorithms.adasum.operator import LayerMap
+    bounds, off = [], 0
+    for s in LAYERS:
+        bounds.append((off, torch.Size(s).numel()))
+        off += bounds[-1][1]
+    return gather_adasum_(rows[0].clone(), LayerMap(bounds), _LocalComm(rows),
+                          tuple(range(len(rows))))
+
+
+# sha256 (first 16 hex digits) of _gather_locally's output on exact_vector inputs (rank r: seed r),
+# taken from the unweighted code before the tree was weighted.  Its C-kernel path gives the same
+# bits on every x86 build (_kernels.c), so at powers of two these must come out unchanged.
+UNWEIGHTED_DIGESTS = {
+    (2, torch.float32): "57c9553750159fa6", (2, torch.float64): "dbc7ca820ab88945",
+    (4, torch.float32): "334044ad242384f4", (4, torch.float64): "e801dbc83b2f6db2",
+    (8, torch.float32): "e00a73c6adc94caf", (8, torch.float64): "3a24b88e62fd6f60"}
+
+
+@pytest.mark.timeout(60)
+def test_weighted_tree(monkeypatch):
+    """The weights of the tree's pairs, and what they do, in one process.
+
+    At 2, 4, 8 and 16 ranks every pair's divisors are exactly (2.0, 2.0), and with them the
+    coefficients (C and torch code) are bitwise the unweighted 1 - a.b/(2|a|^2); the gather
+    tree's output equals digests pinned from the unweighted code.  At 3 to 7 ranks the gather
+    tree gives the weighted reference (REL_TOL) and the mean of parallel inputs (PARALLEL_TOL
+    per layer)."""
+    from horovod_ext.algorithms.adasum import operator
+    from horovod_ext.algorithms.adasum.gather import tree_divisors
+    from horovod_ext.algorithms.adasum.operator import coefficients
+    for n in (2, 4, 8, 16):
+        d = 1
+        while d < n:
+            for lo in range(0, n, 2 * d):
+                assert tree_divisors(n, lo, d) == (2.0, 2.0), (n, lo, d)
+            d *= 2
+    # sides of 2 and 1 ranks (3 and 6 ranks), 3 and 2 (5 ranks), equal sides next to them
+    assert tree_divisors(3, 0, 1) == (1.5, 3.0) and tree_divisors(6, 0, 2) == (1.5, 3.0)
+    assert tree_divisors(5, 0, 1) == (1.5, 3.0) and tree_divisors(5, 2, 1) == (2.0, 2.0)
+    assert tree_divisors(5, 0, 2) == (5 / 3, 2.5) and tree_divisors(6, 0, 1) == (2.0, 2.0)
+
+    # [a.b, a.a, b.b] rows: signs, a zero side, magnitudes whose 2|a|^2 overflows
+    dots = torch.tensor([[1.5, 2.0, 3.0], [-7.25, 0.3, 11.0], [0.0, 5.0, 0.0], [1e-3, 1e-300, 4.0],
+                         [3e307, 1e308, 9e307], [-2.0, 1e300, 1e-5], [0.1, 0.2, 0.7]],
+                        dtype=torch.float64)
+
+    def plain(ab, side):
+        return 1 - ab / (2 * side) if side > 0 else 1.0
+    unweighted = torch.tensor([[plain(ab, aa), plain(ab, bb)] for ab, aa, bb in dots.tolist()],
+                              dtype=torch.float64)
+    for host in (True, False):
+        monkeypatch.setattr(operator, "HOST_CODE", host)
+        assert torch.equal(coefficients(dots), unweighted), host
+        assert torch.equal(coefficients(dots, (2.0, 2.0)), unweighted), host
+        # unequal sides: 1 - w a.b/|side|^2, here w = 2/3 and 1/3 (rows of ordinary magnitude:
+        # d |side|^2 overflows near 1e308, as 2 |side|^2 always did)
+        ordinary = dots[dots[:, 1:].amax(1) < 1e305]
+        weighted = torch.tensor([[1 - 2 / 3 * ab / aa if aa > 0 else 1.0,
+                                  1 - 1 / 3 * ab / bb if bb > 0 else 1.0]
+                                 for ab, aa, bb in ordinary.tolist()], dtype=torch.float64)
+        assert torch.allclose(coefficients(ordinary, (1.5, 3.0)), weighted, rtol=1e-15, atol=0)
+    monkeypatch.setattr(operator, "HOST_CODE", True)
+
+    total = sum(torch.Size(s).numel() for s in LAYERS)
+    shapes = [torch.Size(s) for s in LAYERS]
+    for dtype in (torch.float32, torch.float64):
+        for n in (2, 4, 8):
+            out = _gather_locally([exact_vector(total, seed=r).to(dtype) for r in range(n)])
+            if operator._LIB is not None:  # the digests are the C kernels' bits
+                digest = hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16]
+                assert digest == UNWEIGHTED_DIGESTS[(n, dtype)], (n, dtype)
+        for n in range(3, 8):
+            inputs = [layers_for(r, seed=80 + n, dtype=dtype) for r in range(n)]
+            out = _gather_locally([torch.cat([t.reshape(-1) for t in x]) for x in inputs])
+            err = rel_err(torch.split(out, [s.numel() for s in shapes]), ref_tree(inputs, shapes))
+            assert err < REL_TOL[dtype], (n, dtype, err)
+            rows = [torch.cat([t.reshape(-1) for t in parallel_layers(r, dtype)]) for r in range(n)]
+            got = torch.split(_gather_locally(rows), [s.numel() for s in shapes])
+            errs = [rel_err([g], [e]) for g, e in zip(got, parallel_mean(range(n))) if e.numel()]
+            assert max(errs) < PARALLEL_TOL[dtype], (n, dtype, max(errs))
 
 
 # --- hierarchical: average inside each node, Adasum across nodes in node order ----------------

@@ -167,16 +167,22 @@ KERNEL void hx_adasum_dots_f32(const float *a, const float *b, const int64_t *se
     }
 }
 
-/* The weights of a and b per layer from its [a.b, a.a, b.b]: 1 - a.b / (2 |a|^2) and
- * 1 - a.b / (2 |b|^2); a zero side weighs 1, so the other side passes through unchanged.
- * Written as (weight of out, weight of other) for a combine whose out is b when out_is_b. */
-void hx_adasum_weights(const double *dots, int64_t layers, int64_t out_is_b, double *weights)
+/* The weights of a and b per layer from its [a.b, a.a, b.b]: 1 - a.b / (div_a |a|^2) and
+ * 1 - a.b / (div_b |b|^2); a zero side weighs 1, so the other side passes through unchanged.
+ * div_a = (W_a + W_b) / W_a for sides that stand for W_a and W_b ranks (rvh.py's fold makes them
+ * unequal at counts that are not powers of two); equal sides give exactly 2.0, so the usual
+ * 1 - a.b / (2 |a|^2) comes out of the very same operations, bit for bit.
+ * Written as (weight of out, weight of other) for a combine whose out is b when out_is_b.
+ * (Named apart from the unweighted hx_adasum_weights it replaces: a stale build lacks this
+ * symbol and is refused by native.load instead of being called with arguments it ignores.) */
+void hx_adasum_coefficients(const double *dots, int64_t layers, int64_t out_is_b, double div_a,
+                            double div_b, double *weights)
 {
     const int64_t wa = out_is_b ? 1 : 0;
     for (int64_t l = 0; l < layers; l++) {
         const double ab = dots[3 * l], aa = dots[3 * l + 1], bb = dots[3 * l + 2];
-        weights[2 * l + wa] = aa > 0.0 ? 1.0 - ab / (2.0 * aa) : 1.0;
-        weights[2 * l + 1 - wa] = bb > 0.0 ? 1.0 - ab / (2.0 * bb) : 1.0;
+        weights[2 * l + wa] = aa > 0.0 ? 1.0 - ab / (div_a * aa) : 1.0;
+        weights[2 * l + 1 - wa] = bb > 0.0 ? 1.0 - ab / (div_b * bb) : 1.0;
     }
 }
 

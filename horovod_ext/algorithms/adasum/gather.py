@@ -7,11 +7,12 @@ sends (one whole vector instead of two halves) for twice the arithmetic; for lar
 allgather, which moves n - 1 times RVH's bytes, so the caller keeps this for small messages.
 
 The tree is the one RVH computes (ranks r >= p folded into r - p, then pairs at distance 1, 2,
-...), and every rank runs the same operations on the same operands in the same roles, so all
-ranks end with the same bits (the C kernels' sums have a fixed order on every CPU, and so have
-the torch code's that GPU tensors take: segment_reduce sums each segment in order, no atomics).
+..., each pair weighted by the ranks its two sides stand for: ``tree_divisors``), and every rank
+runs the same operations on the same operands in the same roles, so all ranks end with the same
+bits (the C kernels' sums have a fixed order on every CPU, and so have the torch code's that GPU
+tensors take: segment_reduce sums each segment in order, no atomics).
 """
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import torch
 
@@ -24,6 +25,24 @@ from .operator import WORKSPACE, LayerMap, adasum_pair_, kernels_for
 
 def largest_power_of_two(n: int) -> int:
     return 1 << (n.bit_length() - 1)
+
+
+def tree_divisors(n: int, lo: int, d: int) -> Tuple[float, float]:
+    """The divisors (d_a, d_b) (operator.py) of the tree's pair at distance ``d`` whose a side is
+    nodes [lo, lo + d) and b side [lo + d, lo + 2 d), over ``n`` ranks.
+
+    After the fold, node r < n - p stands for two ranks (r and r + p), the others for one; a
+    side weighs the ranks its nodes stand for.  Weighting by them keeps Adasum's mean of
+    parallel inputs at every count (unweighted, n = 3 gave rank 1 half the result).  For a
+    power of two every side has d ranks: (2.0, 2.0), the usual Adasum, exactly.  The same on
+    every rank: it depends on n, the level and the pair only."""
+    folded = n - largest_power_of_two(n)
+
+    def ranks(first: int, end: int) -> int:
+        return (end - first) + max(0, min(end, folded) - first)
+
+    w_a, w_b = ranks(lo, lo + d), ranks(lo + d, lo + 2 * d)
+    return (w_a + w_b) / w_a, (w_a + w_b) / w_b
 
 
 def gather_adasum_(x: torch.Tensor, layers: LayerMap, comm: Communicator,
@@ -57,6 +76,6 @@ def gather_adasum_(x: torch.Tensor, layers: LayerMap, comm: Communicator,
     d = 1
     while d < p:
         for i in range(0, p, 2 * d):
-            adasum_pair_(vectors[i], vectors[i + d], layers)
+            adasum_pair_(vectors[i], vectors[i + d], layers, tree_divisors(n, i, d))
         d *= 2
     return x.copy_(vectors[0])

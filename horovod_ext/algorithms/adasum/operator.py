@@ -1,8 +1,14 @@
 """The Adasum operator, per layer, on slices of fused buffers (paper section 3 and 4.4).
 
 Adasum(a, b) = (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b, applied to each layer (tensor)
-separately.  In recursive vector-halving a rank holds only a piece of each logical vector, so the
-work is split in two: ``partial_dots`` gives a piece's share of [a.b, a.a, b.b] for every layer it
+separately.  Where a and b stand for unequal numbers of ranks W_a and W_b (the tree over a count
+that is not a power of two, see rvh.py) the 2 becomes the divisors d_a = (W_a + W_b) / W_a and
+d_b = (W_a + W_b) / W_b: (1 - a.b / (d_a |a|^2)) a + (1 - a.b / (d_b |b|^2)) b, which still sums
+orthogonal sides and gives the weighted mean (W_a a + W_b b) / (W_a + W_b) of parallel ones.  Equal
+sides have d = 2.0 exactly, so the usual formula runs unchanged, bit for bit.
+
+In recursive vector-halving a rank holds only a piece of each logical vector, so the work is
+split in two: ``partial_dots`` gives a piece's share of [a.b, a.a, b.b] for every layer it
 touches (summed over ranks by the caller), ``combine_`` applies the coefficients that follow.
 
 Dot products and norms accumulate in float64 whatever the input dtype.  float32 and float64 on
@@ -25,6 +31,9 @@ import torch
 
 from horovod_ext.backends import native
 from horovod_ext.backends.scratch import Workspace
+
+# Divisors (d_a, d_b) of two sides that stand for as many ranks each: the usual Adasum.
+EQUAL = (2.0, 2.0)
 
 # Elements converted to float64 at a time: two rows of this fit in L2 comfortably.
 CHUNK = 1 << 16
@@ -101,7 +110,8 @@ _SEGMENTS_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_in
                   ctypes.c_void_p)
 _LIB = native.load("horovod_ext.algorithms.adasum._kernels", {
     **{f"hx_adasum_{what}_{t}": _SEGMENTS_ARGS for what in ("dots", "combine") for t in ("f32", "f64")},
-    "hx_adasum_weights": (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)})
+    "hx_adasum_coefficients": (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double,
+                               ctypes.c_double, ctypes.c_void_p)})
 _KERNELS = {} if _LIB is None else {
     (what, dtype): getattr(_LIB, f"hx_adasum_{what}_{suffix}")
     for what in ("dots", "combine")
@@ -134,11 +144,12 @@ class Kernels:
             self._dots(a, b, piece.address, piece.count, out)
 
     def combine(self, out: int, other: int, out_is_a: bool, dots: int, piece: "Piece",
-                weights: int):
+                weights: int, divisors: Tuple[float, float] = EQUAL):
         """The vector at ``out`` becomes Adasum's weighted sum of it and the one at ``other``,
         per layer of ``piece``, from the (layer_count, 3) table at ``dots``; ``weights`` is a
-        (layer_count, 2) float64 scratch table."""
-        _LIB.hx_adasum_weights(dots, piece.layer_count, 0 if out_is_a else 1, weights)
+        (layer_count, 2) float64 scratch table; ``divisors``: (d_a, d_b), see the module."""
+        _LIB.hx_adasum_coefficients(dots, piece.layer_count, 0 if out_is_a else 1, *divisors,
+                                    weights)
         if piece.count:
             self._combine(out, other, piece.address, piece.count, weights)
 
@@ -266,18 +277,21 @@ def partial_dots(a: torch.Tensor, b: torch.Tensor, piece: Piece) -> torch.Tensor
     return dots
 
 
-def coefficients(dots: torch.Tensor) -> torch.Tensor:
-    """(layer_count, 2) float64: the weights of a and of b.  A zero side weighs 1, so the other
-    side passes through unchanged and no NaN appears."""
+def coefficients(dots: torch.Tensor, divisors: Tuple[float, float] = EQUAL) -> torch.Tensor:
+    """(layer_count, 2) float64: the weights of a and of b, 1 - a.b / (d |side|^2) with
+    ``divisors`` (d_a, d_b) (2.0 each for the usual Adasum, see the module).  A zero side weighs
+    1, so the other side passes through unchanged and no NaN appears."""
+    div_a, div_b = float(divisors[0]), float(divisors[1])
     if _LIB is not None and _on_host(dots):  # one call instead of ten small ops
         dots = dots.contiguous()
         weights = torch.empty(dots.shape[0], 2, dtype=torch.float64)
-        _LIB.hx_adasum_weights(dots.data_ptr(), dots.shape[0], 0, weights.data_ptr())
+        _LIB.hx_adasum_coefficients(dots.data_ptr(), dots.shape[0], 0, div_a, div_b,
+                                    weights.data_ptr())
         return weights
     ab, aa, bb = dots[:, 0], dots[:, 1], dots[:, 2]
     one = torch.ones_like(ab)
-    ca = torch.where(aa > 0, 1.0 - ab / (2.0 * aa.clamp_min(1e-300)), one)
-    cb = torch.where(bb > 0, 1.0 - ab / (2.0 * bb.clamp_min(1e-300)), one)
+    ca = torch.where(aa > 0, 1.0 - ab / (div_a * aa.clamp_min(1e-300)), one)
+    cb = torch.where(bb > 0, 1.0 - ab / (div_b * bb.clamp_min(1e-300)), one)
     return torch.stack([ca, cb], dim=1)
 
 
@@ -319,7 +333,9 @@ def combine_(out: torch.Tensor, other: torch.Tensor, out_is_a: bool,
     return out
 
 
-def adasum_pair_(a: torch.Tensor, b: torch.Tensor, layers: LayerMap) -> torch.Tensor:
-    """Adasum of two whole flat vectors, per layer, written into ``a``; returns ``a``."""
+def adasum_pair_(a: torch.Tensor, b: torch.Tensor, layers: LayerMap,
+                 divisors: Tuple[float, float] = EQUAL) -> torch.Tensor:
+    """Adasum of two whole flat vectors, per layer, written into ``a``; returns ``a``.
+    ``divisors``: (d_a, d_b) where the two stand for unequal numbers of ranks (see the module)."""
     piece = layers.piece(0, a.numel())
-    return combine_(a, b, True, coefficients(partial_dots(a, b, piece)), piece)
+    return combine_(a, b, True, coefficients(partial_dots(a, b, piece), divisors), piece)

@@ -7,9 +7,17 @@ the halves are then gathered back in reverse.  Each rank sends about as many byt
 recursive-halving Sum allreduce.  For a power-of-two count the result is the tree Adasum: ranks
 (0, 1), (2, 3), ... first, then those results pairwise, and so on.
 
-Any count n (Horovod needs a power of two): with p the largest power of two <= n, rank r >= p is
-first folded into rank r - p as Adasum(x[r-p], x[r]), the p first ranks run AdasumRVH, and the
-folded ranks receive the result.
+Any count n (Horovod refuses counts that are not powers of two): with p the largest power of two
+<= n, rank r >= p is first folded into rank r - p as Adasum(x[r-p], x[r]), the p first ranks run
+AdasumRVH, and the folded ranks receive the result.  After the fold the p tree nodes no longer
+stand for as many ranks each (r < n - p for two, the others for one), and the plain tree would
+count a lone node like a folded pair: parallel inputs at n = 3 came out as
+((x0 + x2) / 2 + x1) / 2, rank 1 weighing twice the others.  So each pair of the tree is weighted
+by the ranks its two sides stand for, W_a and W_b (gather.tree_divisors, the same on every rank):
+(1 - w_a a.b / |a|^2) a + (1 - w_b a.b / |b|^2) b with w = W / (W_a + W_b), which sums orthogonal
+sides as Adasum does and keeps its other property, the mean of parallel inputs, at any n.  Equal
+sides (every pair of a power-of-two count, and the fold itself) have w = 1/2: the usual Adasum,
+computed by the same operations bit for bit.
 
 Ranks are taken in a given ``order`` (a permutation of the communicator's ranks), so that a
 hierarchical caller can run the tree over nodes in node order whatever the communicator's own
@@ -25,7 +33,7 @@ import torch
 from horovod_ext.backends import trace
 from horovod_ext.backends.base import Communicator
 
-from .gather import gather_adasum_, largest_power_of_two
+from .gather import gather_adasum_, largest_power_of_two, tree_divisors
 from .operator import (WORKSPACE, Kernels, LayerMap, coefficients, combine_, kernels_for,
                        partial_dots)
 
@@ -153,8 +161,9 @@ class _Level:
     ``peer``, and sums its share of the products over the group of ``2 d`` ranks."""
 
     def __init__(self, keep, send, peer: int, left: bool, layers: LayerMap, offset: int,
-                 groups: int, row: int, comm: Communicator):
+                 groups: int, row: int, comm: Communicator, divisors: Tuple[float, float]):
         self.keep, self.send, self.peer, self.left = keep, send, peer, left
+        self.divisors = divisors  # of this level's pair (gather.tree_divisors)
         self.piece = layers.piece(offset + keep[0], offset + keep[1])
         # The (groups, layers, 3) table of _sum_over_groups, made once (float64 on the CPU:
         # the C kernels' path only), and the addresses the kernels take.
@@ -196,13 +205,15 @@ class _Schedule:
 
     def __init__(self, layers: LayerMap, numel: int, offset: int, order, p: int, me: int,
                  comm: Communicator):
+        n = len(order)
         self.levels, lo, hi, d = [], 0, numel, 1
         while d < p:
             mid = lo + (hi - lo) // 2
             left = (me // d) % 2 == 0
             keep, send = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
             self.levels.append(_Level(keep, send, order[me + d] if left else order[me - d],
-                                      left, layers, offset, p // (2 * d), me // (2 * d), comm))
+                                      left, layers, offset, p // (2 * d), me // (2 * d), comm,
+                                      tree_divisors(n, me - me % (2 * d), d)))
             lo, hi = keep
             d *= 2
         self._prepared_for = None
@@ -261,7 +272,8 @@ def _rvh_native(x: torch.Tensor, kernels: Kernels, schedule: _Schedule, comm: Co
         level.reduce()
         if extra_reduce is not None:
             extra_reduce(level.row)
-        kernels.combine(mine, other, level.left, level.dots, level.piece, level.weights)
+        kernels.combine(mine, other, level.left, level.dots, level.piece, level.weights,
+                        level.divisors)
     for exchange in gathers:
         exchange()
 
@@ -284,7 +296,8 @@ def _rvh_native_traced(x, kernels: Kernels, schedule: _Schedule, steps, gathers,
                 if extra_reduce is not None:
                     extra_reduce(level.row)
             with trace.activity("ADASUM_COMBINE"):
-                kernels.combine(mine, other, level.left, level.dots, level.piece, level.weights)
+                kernels.combine(mine, other, level.left, level.dots, level.piece,
+                                level.weights, level.divisors)
     with trace.activity("ADASUM_ALLGATHER", (x.numel() - (schedule.levels[-1].keep[1]
                                                           - schedule.levels[-1].keep[0])) * size):
         for exchange in gathers:
@@ -293,6 +306,7 @@ def _rvh_native_traced(x, kernels: Kernels, schedule: _Schedule, steps, gathers,
 
 def _rvh(x, layers: LayerMap, comm: Communicator, order, p: int, me: int,
          reduce_dots: DotsReduce, offset: int):
+    n = len(order)
     lo, hi = 0, x.numel()
     trail = []  # (lo, mid, hi, neighbour, kept_left) per level, for the gather phase
     d = 1
@@ -319,7 +333,8 @@ def _rvh(x, layers: LayerMap, comm: Communicator, order, p: int, me: int,
                 dots = reduce_dots(_sum_over_groups(comm, dots, me, 2 * d, p, dots.shape,
                                                     x.device))
             with trace.activity("ADASUM_COMBINE"):
-                combine_(mine, theirs, left, coefficients(dots), piece)
+                combine_(mine, theirs, left,
+                         coefficients(dots, tree_divisors(n, me - me % (2 * d), d)), piece)
         trail.append((lo, mid, hi, nghr, left))
         lo, hi = new
         d *= 2
