@@ -19,8 +19,15 @@ tensor, one scale); ``randomk_select`` (the shared mask at ``--ratio``:
 (``hvd.SLAMB``, ``overlap=False`` so that its sync is part of the step) on ``--params``
 parameters in 1024-wide matrices with gradients set; ``allreduce`` of --allreduce-mib MiB
 (``hvd.allreduce_``, Sum) on a device tensor and on a CPU tensor: at np=1 nothing crosses a wire,
-so this is the engine's own cost per call; ``host_staging``: the device-to-host and back copies
-that HOROVOD_GPU_OPERATIONS=mpi adds to every collective on a CUDA tensor.
+so this is the engine's own cost per call; ``host_staging``: the same tensor through the staged
+allreduce of ``horovod_ext.backends.staging`` with no collective (pinned buffer, chunks, copies
+on two side streams): what staging alone costs.  Two ranks, started by this script over Gloo on
+this machine (sharing GPU 0 where it has one), each ``hvd.allreduce_`` Sum of --allreduce-mib MiB:
+``allreduce_np2_cpu`` (CPU tensors: in one node, through shared memory), ``allreduce_np2_staged``
+(CUDA tensors with HOROVOD_GPU_OPERATIONS=mpi: staged through host memory over Gloo; the issue's
+target, at most 1.2x the CPU tensors'), and with HOROVOD_SHARED_MEMORY=0 ``allreduce_np2_gloo_cpu``
+(CPU tensors over Gloo, the staged path's transport) and ``allreduce_np2_gloo_staged`` (against
+it: what staging adds to its transport).
 
 Without CUDA it says so and exits 0 (``--device cpu`` runs the table on the CPU).  Writes JSON
 (``--out``: a file, or a folder to hold gpu.json) naming the device, torch, CUDA and NCCL
@@ -160,13 +167,76 @@ def allreduce_rows(args, device, sync):
                 timed(lambda: hvd.allreduce_(on_device, op=hvd.Sum, name="bench.dev"),
                       args.reps, sync))]
     if device.type == "cuda":
-        staged = torch.empty(numel, pin_memory=True)
+        from horovod_ext.backends import staging
+        stager = staging.Stager()
         rows.append(row("allreduce_cpu", f"{what}, CPU tensor",
                         timed(lambda: hvd.allreduce_(on_host, op=hvd.Sum, name="bench.cpu"),
                               args.reps, sync), None, ("allreduce", rows[0])))
-        rows.append(row("host_staging", f"{args.allreduce_mib} MiB to host and back (pinned)",
-                        timed(lambda: on_device.copy_(staged.copy_(on_device)), args.reps,
-                              sync), numel * 4))
+        rows.append(row("host_staging", f"{args.allreduce_mib} MiB staged to host and back, "
+                        f"no collective (staging.Stager.allreduce)",
+                        timed(lambda: stager.allreduce(on_device, lambda chunk: None),
+                              args.reps, sync), numel * 4))
+        rows += staging_np2_rows(args)
+    return rows
+
+
+def staging_rank(out_path: str, mib: int, reps: int, tensors) -> None:
+    """One of the two ranks of ``staging_np2_rows``: ``hvd.allreduce_`` Sum of ``mib`` MiB on
+    each kind of tensor in ``tensors`` ("cpu", "cuda"), interleaved, each call timed from a
+    barrier to its end; rank 0 writes {kind: [seconds]} to ``out_path``."""
+    import json
+    import horovod_ext.torch as hvd
+    hvd.init()
+    on_gpu = "cuda" in tensors
+    if on_gpu:
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    made = {kind: torch.ones(mib * MIB // 4, device=kind) for kind in tensors}
+    times = {kind: [] for kind in tensors}
+    for rep in range(reps + 1):                 # the first round warms up
+        for kind, tensor in made.items():
+            hvd.barrier()
+            sync()
+            t0 = time.perf_counter()
+            hvd.allreduce_(tensor, op=hvd.Sum, name=f"bench.np2.{kind}")
+            sync()
+            if rep:
+                times[kind].append(time.perf_counter() - t0)
+    if hvd.rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(times, f)
+    hvd.shutdown()
+
+
+def staging_np2_rows(args, tensors=("cpu", "cuda")):
+    """Two ranks over Gloo, twice (in-node shared memory on, then off): the rows of CPU tensors
+    against CUDA tensors staged through host memory (HOROVOD_GPU_OPERATIONS=mpi)."""
+    import json
+    import tempfile
+    measured = {}
+    for shm in ("1", "0"):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "times.json")
+            code = (f"import sys; sys.path.insert(0, {HERE!r}); import _spawn; "
+                    f"_spawn.sibling('gpu').staging_rank({out!r}, {args.allreduce_mib}, "
+                    f"{args.reps}, {tuple(tensors)!r})")
+            _spawn.run_gloo(["-c", code], 2, timeout=600, env={
+                "HOROVOD_GPU_OPERATIONS": "mpi", "HOROVOD_SHARED_MEMORY": shm})
+            with open(out) as f:
+                measured[shm] = json.load(f)
+    what = f"hvd.allreduce_ {args.allreduce_mib} MiB, np=2"
+    cpu = row("allreduce_np2_cpu", f"{what}, CPU tensors (shared memory)", measured["1"]["cpu"])
+    gloo = row("allreduce_np2_gloo_cpu", f"{what}, CPU tensors over Gloo (no shared memory)",
+               measured["0"]["cpu"], None, ("allreduce_np2_cpu", cpu))
+    rows = [cpu]
+    if "cuda" in tensors:
+        rows.append(row("allreduce_np2_staged", f"{what}, CUDA tensors staged over Gloo",
+                        measured["1"]["cuda"], None, ("allreduce_np2_cpu", cpu), ("<=", 1.2)))
+    rows.append(gloo)
+    if "cuda" in tensors:
+        rows.append(row("allreduce_np2_gloo_staged", f"{what}, CUDA tensors staged over Gloo, "
+                        f"against CPU tensors over Gloo", measured["0"]["cuda"], None,
+                        ("allreduce_np2_gloo_cpu", gloo), ("<=", 1.2)))
     return rows
 
 

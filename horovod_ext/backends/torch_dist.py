@@ -2,7 +2,8 @@
 
 One code path for both devices: each communicator holds a Gloo process group and, where CUDA and
 NCCL are available and wanted, an NCCL group over the same ranks; a call picks the group from the
-tensor's device.  CUDA tensors without NCCL are staged through host memory over Gloo.  Before
+tensor's device.  CUDA tensors without NCCL are staged through pinned host memory over Gloo
+(``staging``: an allreduce chunk by chunk, its copies overlapping the collective).  Before
 its first NCCL collective a communicator checks, over Gloo, that no two of its ranks drive the
 same GPU (``devices``), so that such a layout fails at once, saying what to change.
 """
@@ -12,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import devices
+from . import devices, staging
 from .base import CommunicationError, Communicator, ReduceOp
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on releases either side of that.
@@ -56,20 +57,31 @@ class TorchCommunicator(Communicator):
         return cls(range(dist.get_world_size()), dist.group.WORLD, cuda_group, timeout)
 
     # --- helpers ------------------------------------------------------------------------------
-    def _group_for(self, tensor: torch.Tensor, collective: bool = True):
+    def _nccl_for(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda and self._cuda_group is not None
+
+    def _group_for(self, tensor: torch.Tensor, collective: bool = True, fill: bool = True):
         """(group, tensor to pass, original to copy back into or None).  ``collective``: every
         rank of this communicator makes the same call now, so it may check the GPUs first (a
-        send/receive involves two ranks only: it relies on an earlier collective's check)."""
-        if tensor.is_cuda and self._cuda_group is not None:
+        send/receive involves two ranks only: it relies on an earlier collective's check).
+        ``fill``: a staged tensor's host copy needs its contents (not so a receive buffer)."""
+        if self._nccl_for(tensor):
             if self._gpu_error is None and collective:
                 self._gpu_error = self.shared_gpu_error(devices.local_gpu(tensor.device)) or ""
             if self._gpu_error:
                 raise devices.SharedGpuError(self._gpu_error)
             return self._cuda_group, tensor, None
-        if tensor.is_cuda:  # no NCCL: stage through host memory over Gloo
-            host = tensor.cpu()
+        if staging.needed(tensor, device_readable=False):  # no NCCL: host memory over Gloo
+            stager = staging.stager()
+            host = (stager.to_host(tensor) if fill
+                    else stager.host_empty(tensor.shape, tensor.dtype))
             return self._cpu_group, host, tensor
         return self._cpu_group, tensor, None
+
+    def _host_empty(self, like: torch.Tensor, staged: bool, shape) -> torch.Tensor:
+        """An output buffer beside ``like`` (the tensor passed to Gloo or NCCL): pinned when the
+        call is staged, so that its copy to the device runs at full speed."""
+        return staging.stager().host_empty(shape, like.dtype) if staged else like.new_empty(shape)
 
     def shared_gpu_error(self, gpu) -> str:
         """Every rank's ``gpu`` (``devices.Gpu``) gathered over Gloo: the error to raise when
@@ -89,10 +101,14 @@ class TorchCommunicator(Communicator):
             self._allreduce(carrier, op)
             tensor.copy_(carrier)
             return
-        group, t, orig = self._group_for(tensor)
+        if staging.needed(tensor, self._nccl_for(tensor)):
+            # chunk by chunk, each chunk's copies overlapping its neighbours' collectives
+            group, torch_op = self._cpu_group, _TORCH_OPS[op]
+            staging.stager().allreduce(
+                tensor, lambda chunk: dist.all_reduce(chunk, op=torch_op, group=group))
+            return
+        group, t, _ = self._group_for(tensor)
         dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
-        if orig is not None:
-            orig.copy_(t)
 
     @_wrap_errors
     def _allgather(self, tensor, counts):
@@ -104,7 +120,7 @@ class TorchCommunicator(Communicator):
             padded = t.new_zeros((rows,) + tuple(t.shape[1:]))
             padded[:t.shape[0]] = t
             t = padded
-        out = t.new_empty((rows * self.size,) + tuple(t.shape[1:]))
+        out = self._host_empty(t, orig is not None, (rows * self.size,) + tuple(t.shape[1:]))
         _all_gather_single(out, t, group=group)
         if any(c != rows for c in counts):
             out = torch.cat([out[i * rows:i * rows + c] for i, c in enumerate(counts)])
@@ -116,7 +132,7 @@ class TorchCommunicator(Communicator):
             return self._alltoall(tensor.view(torch.float16), send_splits,
                                   recv_splits).view(torch.int16)
         group, t, orig = self._group_for(tensor)
-        out = t.new_empty((sum(recv_splits),) + tuple(t.shape[1:]))
+        out = self._host_empty(t, orig is not None, (sum(recv_splits),) + tuple(t.shape[1:]))
         dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
                                input_split_sizes=list(send_splits), group=group)
         return out.to(orig.device) if orig is not None else out
@@ -125,7 +141,7 @@ class TorchCommunicator(Communicator):
     def _broadcast(self, tensor, root):
         if tensor.dtype == torch.int16:
             return self._broadcast(tensor.view(torch.float16), root)
-        group, t, orig = self._group_for(tensor)
+        group, t, orig = self._group_for(tensor, fill=self.rank == root)
         dist.broadcast(t, src=self.global_ranks[root], group=group)
         if orig is not None:
             orig.copy_(t)
@@ -139,19 +155,19 @@ class TorchCommunicator(Communicator):
             return self.reduce_scatter(flat.to(torch.int32), counts, op).to(torch.int16)
         if flat.dtype == torch.bool:
             return super().reduce_scatter(tensor, counts, op)
-        group, t, orig = self._group_for(flat)
-        if group is self._cpu_group:
+        if not self._nccl_for(flat):
             # Gloo's reduce_scatter is slower than its allreduce of the whole buffer
-            # (benchmarks/allreduce.py), so reduce everything and keep this rank's block.
-            whole = t.clone()
-            dist.all_reduce(whole, op=_TORCH_OPS[op], group=group)
+            # (benchmarks/allreduce.py), so reduce everything and keep this rank's block
+            # (staged chunk by chunk, as any allreduce, where the buffer is on a GPU).
+            whole = flat.clone()
+            self._allreduce(whole, op)
             start = sum(counts[:self.rank])
-            out = whole[start:start + counts[self.rank]]
-        else:
-            out = t.new_empty(counts[self.rank])
-            dist.reduce_scatter(out, list(torch.split(t, list(counts))), op=_TORCH_OPS[op],
-                                group=group)
-        return out.to(orig.device) if orig is not None else out
+            return whole[start:start + counts[self.rank]]
+        group, t, _ = self._group_for(flat)
+        out = t.new_empty(counts[self.rank])
+        dist.reduce_scatter(out, list(torch.split(t, list(counts))), op=_TORCH_OPS[op],
+                            group=group)
+        return out
 
     @_wrap_errors
     def sendrecv(self, send, dst, recv, src):
@@ -165,7 +181,7 @@ class TorchCommunicator(Communicator):
         works = []
         staged = None
         if recv is not None:
-            group, staged, orig = self._group_for(recv, collective=False)
+            group, staged, orig = self._group_for(recv, collective=False, fill=False)
             works.append(dist.irecv(staged, self.global_ranks[src], group=group))
         if send is not None:
             group, t, _ = self._group_for(send, collective=False)
