@@ -222,8 +222,18 @@ def body_deadlock():
 def test_deadlocked_ranks_fail_naming_what_each_submitted(backend):
     """Three ranks, two of them in a barrier and one in a reducescatter: every rank raises
     within the deadlock time (plus cycles), naming both tensors and who submitted them; the
-    ranks work again after hvd.init(), and a rank that is merely slow is waited for."""
+    ranks work again after hvd.init(), and a rank that is merely slow is waited for.  Under
+    MPI the job ends instead, with the same reason."""
     env = {"HOROVOD_DEADLOCK_TIME_SECONDS": str(DEADLOCK_S)}
+    if backend == "mpi":  # MPI's convention: the job ends, every rank saying why
+        start = time.monotonic()
+        failure = run_ranks(body_deadlock, 3, backend, env=env, timeout=90,
+                            expect_failure=True)
+        assert "deadlock: every rank has been blocked" in failure.output, failure.output
+        assert "'skipped_by_the_others' submitted by ranks [1]" in failure.output
+        assert "aborting the job" in failure.output and time.monotonic() - start < 60
+        assert not any(failure.results), failure.results
+        return
     results = run_ranks(body_deadlock, 3, backend, env=env, timeout=90)
     for r, (error, took, later, after, slow) in enumerate(results):
         assert error is not None, f"rank {r} did not fail"

@@ -79,6 +79,10 @@ class Communicator(ABC):
     def barrier(self) -> None:
         """Return once every rank has entered."""
 
+    def end_job(self, reason: str) -> None:
+        """End the whole job over ``reason``, where the transport's convention is that errors
+        are fatal (MPI: a job cannot start afresh); elsewhere return, and the caller raises."""
+
     @abstractmethod
     def split(self, colour: int, key: Optional[int] = None) -> "Communicator":
         """Collective over this communicator: ranks with equal colour form a new communicator,

@@ -4,8 +4,9 @@ CPU tensors are handed to MPI without copies (numpy views of the tensor memory).
 bfloat16 reductions are carried in float32, since MPI has no standard half-precision sum; where
 they are only moved, MPI sees their bits as int16 (bfloat16 has no MPI type, and float16's is
 optional: a CUDA-aware Open MPI refused it on device buffers with MPI_ERR_TYPE).  CUDA tensors go
-straight to MPI when it is CUDA-aware and are staged through host memory otherwise; ``handover``
-makes both decisions, for every device alike.
+straight to MPI when it is CUDA-aware and are staged through pinned host memory otherwise (an
+allreduce chunk by chunk, its copies overlapping the reduction: ``staging``); ``handover`` makes
+both decisions, for every device alike.
 Calls are blocking (Open MPI's non-blocking collectives are far slower for large messages) and
 run under a watchdog: a call that outlives the timeout aborts the job with a message naming the
 operation and rank, so nothing hangs.  The engine's negotiation, which runs over its own control
@@ -20,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import staging
 from .base import Communicator, ReduceOp
 
 
@@ -53,11 +55,15 @@ class _Watchdog:
             with self._lock:
                 late = [d.message() for d in list(self._deadlines) if 0.0 < d.until < now]
             if late:
-                logging.getLogger("horovod_ext").critical("%s", late[0])
-                import sys
-                sys.stderr.write(f"horovod_ext: {late[0]}\n")
-                sys.stderr.flush()
-                _mpi().COMM_WORLD.Abort(1)
+                _abort_job(late[0])
+
+
+def _abort_job(message: str):
+    logging.getLogger("horovod_ext").critical("%s", message)
+    import sys
+    sys.stderr.write(f"horovod_ext: {message}\n")
+    sys.stderr.flush()
+    _mpi().COMM_WORLD.Abort(1)
 
 
 _WATCHDOG = _Watchdog()
@@ -142,16 +148,26 @@ class MPICommunicator(Communicator):
         # A private duplicate, so user code on COMM_WORLD never interleaves with ours.
         return cls(_mpi().COMM_WORLD.Dup(), timeout)
 
+    def end_job(self, reason: str) -> None:
+        """MPI jobs cannot start afresh after their ranks diverged (a deadlock): end it, as the
+        watchdog does, with the reason on every rank's stderr."""
+        _abort_job(f"{reason}; aborting the job")
+
     # --- buffers ------------------------------------------------------------------------------
     def _handover(self, tensor: torch.Tensor, reduce: bool) -> Handover:
         if self._cuda_aware is None and tensor.is_cuda:  # asked once, and only with GPU buffers
             self._cuda_aware = cuda_aware()
         return handover(tensor.device.type, tensor.dtype, bool(self._cuda_aware), reduce)
 
+    def _staged(self, tensor: torch.Tensor) -> bool:
+        if tensor.device.type == "cpu":
+            return staging.STAGE_HOST_TENSORS
+        return self._handover(tensor, False).staged
+
     def _host(self, tensor: torch.Tensor):
         """(tensor MPI can touch, original to copy back into or None)."""
-        if tensor.device.type != "cpu" and self._handover(tensor, False).staged:
-            return tensor.cpu(), tensor
+        if self._staged(tensor):
+            return staging.stager().to_host(tensor), tensor
         return tensor, None
 
     @staticmethod
@@ -173,7 +189,14 @@ class MPICommunicator(Communicator):
 
     # --- collectives --------------------------------------------------------------------------
     def _allreduce(self, tensor, op):
-        t, orig = self._host(tensor)
+        if self._staged(tensor):
+            # chunk by chunk, each chunk's copies overlapping its neighbours' reductions
+            staging.stager().allreduce(tensor, lambda chunk: self._allreduce_here(chunk, op))
+        else:
+            self._allreduce_here(tensor, op)
+
+    def _allreduce_here(self, t, op):
+        """``_allreduce`` of a tensor in memory that MPI reads."""
         # widened after any staging, so that a staged float16 crosses to the host at half size
         reduced_as = self._handover(t, True).dtype
         work = t if reduced_as == t.dtype else t.to(reduced_as)
@@ -181,8 +204,6 @@ class MPICommunicator(Communicator):
             self.comm.Allreduce(_mpi().IN_PLACE, self._array(work), self._ops[op])
         if work is not t:
             t.copy_(work)
-        if orig is not None:
-            orig.copy_(t)
 
     def _allgather(self, tensor, counts):
         t, orig = self._host(tensor)

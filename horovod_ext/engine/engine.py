@@ -74,10 +74,9 @@ class Engine:
 
     # --- called from user threads -------------------------------------------------------------
     def submit(self, request: Request, wake=True) -> Handle:
-        """Queue ``request``.  ``wake=False`` when the caller synchronizes at once: it will run
-        the first cycle itself, and waking the background thread would only contend with it.
-        ``wake=NEXT_CYCLE``: the background thread runs it one cycle time after the first such
-        request reaching an idle rank, with whatever else arrived meanwhile."""
+        """Queue ``request``.  ``wake=False`` when the caller synchronizes at once: it runs the
+        first cycle itself (waking the background thread would only contend).  ``NEXT_CYCLE``:
+        run one cycle time after the first such request reaching an idle rank, with the rest."""
         request.handle = Handle(request.name, self)
         request.meta = request.describe()
         with self._cond:
@@ -325,7 +324,8 @@ class Engine:
         gathered = [wire.decode(m) for m in (messages or [message] * self.size)]
         now = time.monotonic()
         activity, any_shutdown = negotiator.absorb(gathered, now, self._fail_local)
-        if negotiator.fatal:  # _run_round fails everything and stops the engine
+        if negotiator.fatal:  # MPI ends the job; else _run_round fails all, stops the engine
+            self.comms.world.end_job(negotiator.fatal)
             raise HorovodInternalError(negotiator.fatal)
         ready = negotiator.collect_ready()
         self._last_round_active = activity or bool(ready)

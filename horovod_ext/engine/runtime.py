@@ -119,10 +119,7 @@ def init(comm=None):
         if state.engine is not None and state.engine.running and state.engine.failure is None:
             return
         if state.engine is not None:  # stopped by a failure (or a deadlock): start afresh
-            try:
-                shutdown()
-            except HorovodInternalError:
-                pass  # its requests have failed already, with the reason
+            _shutdown_at_exit()
         if isinstance(comm, (list, tuple)):
             raise NotImplementedError("hvd.init(comm=[ranks]) (a subset of ranks) is not "
                                       "supported; start only the processes you need")
