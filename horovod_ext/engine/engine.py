@@ -217,7 +217,7 @@ class Engine:
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._stopped  # by a shutdown or a failure
 
     @property
     def failure(self) -> Optional[BaseException]:

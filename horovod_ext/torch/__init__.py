@@ -48,9 +48,9 @@ def init(comm=None, process_sets=None):
     ProcessSet objects to register now, or "dynamic" to allow ``add_process_set`` later (as
     HOROVOD_DYNAMIC_PROCESS_SETS=1 does)."""
     if _runtime.is_initialized():
-        if _runtime.engine().failure is None:
+        if _runtime.engine().running:
             return
-        try:  # stopped by a failure (a lost peer, a deadlock): start afresh
+        try:  # stopped by a failure (a lost peer, a deadlock) or a peer's shutdown: afresh
             shutdown()
         except HorovodInternalError:
             pass  # the requests it failed have reported the reason
