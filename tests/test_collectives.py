@@ -75,6 +75,13 @@ def body_allreduce():
     check(hvd.allreduce(data[r], average=False), reference(data, "sum"), "average=False")
     check(hvd.allreduce(data[r], op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5 / n),
           reference(data, "sum") / n, "prescale/postscale")
+    # float16 with a factor that is no power of two, the same data on every rank (Horovod's
+    # prescale test): x = fp16(f * t) in float32 math, and the sum rounded once to float16,
+    # the float16 value nearest n * x (at 3 and 5 ranks n * x itself often is none)
+    t = torch.arange(-8.0, 9.0) * 11.0
+    x = (torch.tensor(0.1915194503788923) * t).half()
+    got = hvd.allreduce(t.half(), op=hvd.Sum, prescale_factor=0.1915194503788923)
+    assert torch.equal(got, (x.float() * n).half()), (got, x.float() * n)
     check(hvd.allreduce(torch.tensor(float(r + 1))), torch.tensor((n + 1) / 2), "0-d tensor")
     check(hvd.allreduce(torch.zeros(0)), torch.zeros(0), "empty")
     # grouped forms: one request, tensors of different shapes
