@@ -698,7 +698,7 @@ def test_optimizer_arguments():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("kind", ["adam", "lamb"])
-def test_frozen_zero_variance_single_process(kind, weight_decay):
+def test_frozen_zero_variance_single_process(kind, weight_decay, caplog):
     """Regression: elements whose gradient is exactly 0 through the warm-up (a dead unit, a
     parameter never used) have a frozen variance of 0, which 1-bit compression cannot match
     (it never sends 0): ``sign * scale / (0 + eps)`` put them ~1e6 away and the parameters were
@@ -719,6 +719,10 @@ def test_frozen_zero_variance_single_process(kind, weight_decay):
         opt.step()
         history.append([p.detach().clone() for p in params])
     assert all(torch.isfinite(p).all() for ps in history for p in ps)
+    dead_count = sum(int(m.sum()) for m in dead_mask(params))
+    warned = [r.getMessage() for r in caplog.records if "1-bit:" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"1-bit: {dead_count} of "), warned
+    assert "freeze_step" in warned[0]
     sims = []
     expected = sim_optimizer(kind, [0], steps, FREEZE, lr=lr, wd=weight_decay,
                              grads_fn=grads_dead, sims=sims)

@@ -380,3 +380,55 @@ def test_broadcast_state_and_checkpoint_restore(backend, tmp_path):
     path = str(tmp_path / "ckpt.pt")
     assert run_ranks(body_broadcast_state, 3, backend, args=(path,)) == \
         [{"adam": True, "sgd": True}] * 3
+
+
+def body_check_finite():
+    """Rank 1 puts a NaN into one gradient at step 2: the reduced gradient holds it on every
+    rank, so every rank raises (or skips) that same step and the ranks stay equal."""
+    import horovod_ext.torch as hvd
+    out = {}
+    for mode in ("raise", "skip"):
+        model, opt = make("sgd")
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       check_finite=mode)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        events = []
+        for step in range(4):
+            x, y = data(step, 0, 1)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x.double()), y)
+            if step == 2 and hvd.rank() == 1:
+                loss = loss + model.fc2.bias.sum() * float("nan")
+            loss.backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                opt.step()
+                changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+                events.append("stepped" if changed else "unchanged")
+            except FloatingPointError as exc:
+                events.append(str(exc))
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        out[mode] = (events, finite, [p.detach().clone() for p in model.parameters()],
+                     opt.skipped_steps)
+    try:
+        hvd.DistributedOptimizer(make("sgd")[1], check_finite="sometimes")
+        out["bad"] = None
+    except ValueError as exc:
+        out["bad"] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_check_finite_raises_or_skips_the_same_step_on_every_rank():
+    results = run_ranks(body_check_finite, 2, "gloo")
+    for r, out in enumerate(results):
+        events, finite, _, _ = out["raise"]
+        assert events[:2] == ["stepped", "stepped"] and events[3] == "stepped", (r, events)
+        assert "step 3" in events[2] and "fc2.bias" in events[2] and "NaN" in events[2], events
+        assert "fc1.weight" not in events[2] and finite
+        events, finite, _, skipped = out["skip"]
+        assert events == ["stepped", "stepped", "unchanged", "stepped"] and skipped == 1, events
+        assert finite
+        assert "check_finite='sometimes'" in out["bad"], out["bad"]
+    for mode in ("raise", "skip"):
+        assert all(torch.equal(a, b) for a, b in zip(results[0][mode][2], results[1][mode][2]))

@@ -26,10 +26,11 @@ the checkpoint format, and delegates every step of the reduction to the reducer 
 ``reduction/`` chooses for the op, the world and the bucket size.
 """
 import contextlib
+import functools
 
 from horovod_ext.engine import runtime
 from horovod_ext.ops import Average, get_op
-from . import reduction
+from . import finite, reduction
 from .compression import Compression
 from .mpi_ops import global_process_set
 from .param_names import name_parameters
@@ -41,7 +42,8 @@ class _DistributedMixin:
     is built (and again where the world or the bucket size changes)."""
 
     def _hvd_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                   gradient_predivide_factor, groups, sparse_as_dense, process_set):
+                   gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                   check_finite=None):
         params = [p for g in self.param_groups for p in g["params"]]
         names = {id(p): n for n, p in name_parameters(params, named_parameters)}
         # Horovod's attribute (parameter -> name), which some user code reads.  Without
@@ -64,6 +66,9 @@ class _DistributedMixin:
             delta=bool(op.wants_delta(self)))
         trainable = [p for p in params if p.requires_grad]
         self._hvd = reduction.new_state(settings, trainable, names, groups)
+        mode = finite.mode_from(check_finite)
+        self._hvd_finite = None if mode is None else finite.FiniteGuard(mode, trainable, {
+            id(p): self._parameter_names[p] for p in trainable})
         if self._hvd.reducer.uses_gradient_hooks:
             self._hvd.hooks = [p.register_post_accumulate_grad_hook(self._hvd_hook)
                                for p in trainable]
@@ -113,8 +118,16 @@ class _DistributedMixin:
         finally:
             self._hvd.progress.skip_sync = False
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps left out because their reduced gradients were not finite (check_finite)."""
+        return 0 if self._hvd_finite is None else self._hvd_finite.skipped
+
     def step(self, closure=None):
-        result = self._hvd.reducer.step(super().step, closure, self.synchronize)
+        inner = super().step
+        if self._hvd_finite is not None:
+            inner = functools.partial(self._hvd_finite.step, inner)
+        result = self._hvd.reducer.step(inner, closure, self.synchronize)
         self._hvd_autotune_step()
         return result
 
@@ -153,8 +166,11 @@ class _DistributedMixin:
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
-                         groups=None, sparse_as_dense=False, process_set=global_process_set):
+                         groups=None, sparse_as_dense=False, process_set=global_process_set,
+                         check_finite=None):
     """Wrap ``optimizer`` so that gradients are averaged (or reduced with ``op``) across ranks.
+    ``check_finite`` ("raise" or "skip"; default: ``HOROVOD_CHECK_FINITE``, off): what a step
+    does when the reduced gradients hold NaN or Inf (finite.py).
 
     Returns the same optimizer object, now also an instance of a subclass of its class."""
     if isinstance(optimizer, _DistributedMixin):
@@ -164,7 +180,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     optimizer.__class__ = cls
     try:
         optimizer._hvd_setup(named_parameters, compression, backward_passes_per_step, op,
-                             gradient_predivide_factor, groups, sparse_as_dense, process_set)
+                             gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                             check_finite)
     except Exception:
         optimizer.__class__ = base
         raise

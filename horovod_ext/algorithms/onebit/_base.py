@@ -11,6 +11,7 @@ unused embedding row) have their momentum held at 0 on both sides of the compres
 so they take no momentum step; see ``OnebitAdam``'s module docstring for why.
 """
 import itertools
+import logging
 import weakref
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional
@@ -51,6 +52,12 @@ class _Fused:
         if self.frozen_zeros is None:
             zero = torch.cat([(state[p]["exp_avg_sq"] == 0).reshape(-1) for p in self.params])
             self.frozen_zeros = zero.nonzero().squeeze(1)
+            if self.frozen_zeros.numel():
+                logging.getLogger("horovod_ext").warning(
+                    "1-bit: %d of %d elements had no gradient during the warm-up (their frozen "
+                    "variance is 0); they take no step from now on. If they should train, "
+                    "freeze later (a larger freeze_step) or check why their gradients are 0",
+                    self.frozen_zeros.numel(), zero.numel())
         if self.frozen_zeros.numel():
             self.flat.index_fill_(0, self.frozen_zeros, 0.0)
 

@@ -1,0 +1,101 @@
+"""What the non-finite guard costs: training step time with check_finite off and on.
+
+    python benchmarks/finite_guard.py                 # np = 2, MLP and small transformer
+    python benchmarks/finite_guard.py --quick
+
+The model and data of synthetic.py, trained with hvd.DistributedOptimizer(check_finite="raise");
+in each round the same ranks run the timed steps with the guard switched off and on, in
+alternating order, so machine drift hits both.  Prints the median step time of each and the
+overhead with its spread over rounds (target: < 1% of a step), and writes JSON.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _spawn  # noqa: E402  (benchmarks/ is not a package)
+
+
+def worker(args):
+    import torch
+    import horovod_ext.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    results = {}
+    for kind in args.models:
+        gen = torch.Generator().manual_seed(hvd.rank())
+        model, make_batch, lossf = _spawn.sibling("synthetic").build(kind)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(),
+                                       check_finite="raise")
+        guard = opt._hvd_finite
+        batches = [make_batch(args.batch, gen) for _ in range(4)]
+
+        def steps(n):
+            for i in range(n):
+                x, y = batches[i % len(batches)]
+                opt.zero_grad()
+                lossf(model(x), y).backward()
+                opt.step()
+
+        steps(args.warmup)
+        times = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                opt._hvd_finite = guard if mode == "on" else None
+                hvd.barrier()
+                t0 = time.perf_counter()
+                steps(args.steps)
+                times[mode].append((time.perf_counter() - t0) / args.steps)
+        every = hvd.allgather_object(times, name=f"times.{kind}")   # the slowest rank's pace
+        results[kind] = {mode: [max(rank[mode][r] for rank in every)
+                                for r in range(args.rounds)] for mode in times}
+        results[kind]["tensors"] = len(guard.params)
+    if hvd.rank() == 0:
+        with open(args.result, "w") as f:
+            json.dump(results, f)
+    hvd.shutdown()
+
+
+def main():
+    p = _spawn.parser(__doc__, "finite_guard.json")
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6)
+    args = p.parse_args()
+    args.models = args.models.split(",") if isinstance(args.models, str) else args.models
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 5, 2, 2
+    argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
+            "--batch", str(args.batch), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+    report = {"np": args.np, "batch_per_rank": args.batch, "steps": args.steps,
+              "rounds": args.rounds, "models": {}}
+    print(f"{'model':<12} {'tensors':>7} {'off ms/step':>12} {'on ms/step':>12} "
+          f"{'overhead':>9} {'per-round min..max':>20}")
+    data = _spawn.run_collect("gloo", argv, args.np)
+    for kind in args.models:
+        off, on = data[kind]["off"], data[kind]["on"]
+        per_round = [b / a - 1 for a, b in zip(off, on)]
+        row = {"off_s": off, "on_s": on, "off_median_s": statistics.median(off),
+               "on_median_s": statistics.median(on), "tensors": data[kind]["tensors"],
+               "overhead": statistics.median(on) / statistics.median(off) - 1,
+               "overhead_per_round": per_round}
+        report["models"][kind] = row
+        print(f"{kind:<12} {row['tensors']:>7} {row['off_median_s'] * 1e3:>12.2f} "
+              f"{row['on_median_s'] * 1e3:>12.2f} {row['overhead'] * 100:>8.2f}% "
+              f"{min(per_round) * 100:>9.2f}..{max(per_round) * 100:.2f}%", flush=True)
+    _spawn.write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
