@@ -220,7 +220,8 @@ def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, 
     output = ""
     for log in logs:
         log.seek(0)
-        output += log.read()[-4000:]
+        text = log.read()   # its start (what a run says first) and its end (how it ended)
+        output += text if len(text) <= 8000 else text[:4000] + "\n[...]\n" + text[-4000:]
         log.close()
     results, errors = [], {}
     for rank in range(np):
