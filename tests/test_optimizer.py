@@ -432,3 +432,23 @@ def test_check_finite_raises_or_skips_the_same_step_on_every_rank():
         assert "check_finite='sometimes'" in out["bad"], out["bad"]
     for mode in ("raise", "skip"):
         assert all(torch.equal(a, b) for a, b in zip(results[0][mode][2], results[1][mode][2]))
+
+
+def test_finite_guard_tells_overflowing_sums_from_non_finite_gradients():
+    """The guard tests sums first: a sum that overflows on finite gradients (float32 near its
+    maximum, float16 summing past 65504) must not count, a NaN or Inf must, named."""
+    from horovod_ext.torch.finite import FiniteGuard, mode_from
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+              for dtype in (torch.float32, torch.float16, torch.float64)]
+    guard = FiniteGuard("raise", params, {id(p): f"p{i}" for i, p in enumerate(params)})
+    params[0].grad = torch.full((4,), 3e38)                          # sum overflows to inf
+    params[1].grad = torch.full((4,), 60000.0, dtype=torch.float16)  # past float16's max
+    params[2].grad = torch.ones(4, dtype=torch.float64)
+    assert guard._non_finite([p.grad for p in params]) == []
+    params[2].grad[1] = float("-inf")
+    params[1].grad[0] = float("nan")
+    assert guard._non_finite([p.grad for p in params]) == ["p1", "p2"]
+    assert mode_from(None, {"HOROVOD_CHECK_FINITE": "Skip"}) == "skip"
+    assert mode_from("0", {"HOROVOD_CHECK_FINITE": "raise"}) is None
+    with pytest.raises(ValueError, match="HOROVOD_CHECK_FINITE='maybe'"):
+        mode_from(None, {"HOROVOD_CHECK_FINITE": "maybe"})
