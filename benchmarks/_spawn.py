@@ -263,6 +263,30 @@ def parser(doc: str, out_name: str, sizes=None):
     return p
 
 
+def rounds_arguments(doc: str, out_name: str):
+    """The options of a benchmark that times training steps of synthetic.py's models in rounds
+    (timeline_overhead.py, finite_guard.py): parsed, ``models`` a list, --quick applied."""
+    p = parser(doc, out_name)
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--models", default="mlp,transformer")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6)
+    args = p.parse_args()
+    args.models = args.models.split(",") if isinstance(args.models, str) else args.models
+    if args.quick and not args.worker:
+        args.steps, args.rounds, args.warmup = 5, 2, 2
+    return args
+
+
+def rounds_worker_argv(script: str, args) -> List[str]:
+    """The worker command line of such a benchmark, carrying its options."""
+    return [os.path.abspath(script), "--worker", "--models", ",".join(args.models),
+            "--batch", str(args.batch), "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+
+
 def choices(parser, value: str, known, what: str) -> List[str]:
     """The comma-separated names in ``value``, all of them in ``known`` (else the parser's
     error names the unknown ones)."""

@@ -74,22 +74,10 @@ def worker(args):
 
 
 def main():
-    p = _spawn.parser(__doc__, "timeline_overhead.json")
-    p.add_argument("--np", type=int, default=2)
-    p.add_argument("--models", default="mlp,transformer")
-    p.add_argument("--batch", type=int, default=32, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=6)
-    args = p.parse_args()
-    args.models = args.models.split(",") if isinstance(args.models, str) else args.models
+    args = _spawn.rounds_arguments(__doc__, "timeline_overhead.json")
     if args.worker:
         return worker(args)
-    if args.quick:
-        args.steps, args.rounds, args.warmup = 5, 2, 2
-    argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
-            "--batch", str(args.batch), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--rounds", str(args.rounds)]
+    argv = _spawn.rounds_worker_argv(__file__, args)
     report = {"np": args.np, "batch_per_rank": args.batch, "steps": args.steps,
               "rounds": args.rounds, "models": {}}
     print(f"{'model':<12} {'gradients':<11} {'off ms/step':>12} {'on ms/step':>12} "
