@@ -116,10 +116,8 @@ def choose_transport(config: Config, mpi_comm=None) -> str:
 def init(comm=None):
     """Start horovod_ext on this process; a collective call on every rank."""
     with state.lock:
-        if state.engine is not None and state.engine.running and state.engine.failure is None:
-            return
-        if state.engine is not None:  # stopped by a failure (or a deadlock): start afresh
-            _shutdown_at_exit()
+        if state.engine is not None and state.engine.running:
+            return   # (hvd.init() shuts a stopped engine down before it comes here)
         if isinstance(comm, (list, tuple)):
             raise NotImplementedError("hvd.init(comm=[ranks]) (a subset of ranks) is not "
                                       "supported; start only the processes you need")
