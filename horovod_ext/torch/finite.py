@@ -45,7 +45,7 @@ class FiniteGuard:
                 [s.to(sums[0].device, torch.float64) for s in sums])).all()):
             return []
         return [self.names.get(id(p), "?") for p in self.params
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                if any(p.grad is g for g in grads) and not bool(torch.isfinite(p.grad).all())]
 
     def step(self, inner_step: Callable, closure):
         self.steps += 1
