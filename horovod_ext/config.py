@@ -64,6 +64,7 @@ class Config:
     stall_warning_s: float = 60.0
     stall_shutdown_s: float = 0.0                # 0: never abort stalled tensors
     deadlock_s: float = 10.0                     # every rank blocked, nothing matches; 0: off
+    heartbeat_s: float = 2.0                     # liveness beats; 2 missed: stopped; 0: off
     timeout_s: float = 60.0
     control_iface: Optional[str] = None
     log_level: str = "warning"
@@ -115,6 +116,8 @@ class Config:
                                   non_negative, "a non-negative number of seconds"),
             deadlock_s=_get(env, "HOROVOD_DEADLOCK_TIME_SECONDS", 10.0, float, non_negative,
                             "a non-negative number of seconds"),
+            heartbeat_s=_get(env, "HOROVOD_HEARTBEAT_SECONDS", 2.0, float, non_negative,
+                             "a non-negative number of seconds"),
             timeout_s=_get(env, "HOROVOD_COMM_TIMEOUT_SECONDS", timeout, float, positive,
                            "a positive number of seconds"),
             control_iface=_get(env, "HOROVOD_GLOO_IFACE", None, str),

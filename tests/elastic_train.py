@@ -11,8 +11,10 @@ STEP_S: seconds of compute each step stands for (a busy loop, so that a run last
 hosts to come and go).  KILLS: WORKER:EPOCH:BATCH[:WHERE],... - that worker (its
 HOROVOD_ELASTIC_WORKER id) kills itself with SIGKILL at that batch (-1: any epoch or batch):
 WHERE "step" (default) before the batch's step, "commit" inside the commit after it (saved, not
-yet checked for host changes), "reset" in its first reset callback; or "drop": instead of dying,
-that worker removes the last host from OUT_DIR/hosts (the discovery script's list).
+yet checked for host changes), "reset" in its first reset callback; "stop": it stops itself
+with SIGSTOP before the batch's step instead (hung: its peers' heartbeats find it); or "drop":
+instead of dying, that worker removes the last host from OUT_DIR/hosts (the discovery script's
+list).
 """
 import json
 import os
@@ -79,6 +81,8 @@ def main():
             for index, idx in enumerate(loader):
                 if should_die("step", state.epoch, index):
                     os.kill(os.getpid(), signal.SIGKILL)
+                if should_die("stop", state.epoch, index):
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 if should_die("drop", state.epoch, index) and not dropped:
                     dropped.append(True)
                     hosts = os.path.join(out, "hosts")

@@ -19,13 +19,14 @@ TRAIN = os.path.join(REPO, "tests", "elastic_train.py")
 SAMPLES, BATCH = 288, 12
 
 
-def elastic_run(tmp_path, hosts, flags, epochs, step_s, kills="", timeout=150):
+def elastic_run(tmp_path, hosts, flags, epochs, step_s, kills="", timeout=150, env=None):
     (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in hosts))
     cmd = [HVDRUN, *flags, "--host-discovery-script", f"cat {tmp_path / 'hosts'}",
            sys.executable, TRAIN, str(tmp_path), str(SAMPLES), str(epochs), str(BATCH),
            str(step_s)] + ([kills] if kills else [])
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=dict(os.environ, **(env or {})))
     return proc, time.monotonic() - started
 
 
@@ -54,6 +55,24 @@ def test_a_killed_worker_is_dropped_and_its_host_comes_back(tmp_path):
     assert "worker 2 (host 127.0.0.3) was killed by signal 9" in proc.stderr
     assert_each_sample_once_per_epoch(tmp_path, 5, proc)
     assert phases(result(tmp_path)["sizes"]) == [4, 3, 4], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_worker_is_found_by_heartbeats_and_dropped(tmp_path):
+    """A worker stopped with SIGSTOP in the middle of training (a hung process) is named by its
+    peers' heartbeats, killed by the driver and dropped like a dead one, in seconds: the
+    communication timeout (100 s here) never comes into it."""
+    hosts = [f"127.0.0.{i}:1" for i in range(1, 4)]
+    proc, took = elastic_run(tmp_path, hosts, ["-np", "3", "--min-np", "2", "--max-np", "3"],
+                             epochs=3, step_s=0.02, kills="1:0:2:stop",
+                             env={"HOROVOD_HEARTBEAT_SECONDS": "1",
+                                  "HOROVOD_GLOO_TIMEOUT_SECONDS": "100"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "worker 1 (host 127.0.0.2) stopped answering its peers' heartbeats" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert_each_sample_once_per_epoch(tmp_path, 3, proc)
+    assert phases(result(tmp_path)["sizes"]) == [3, 2], proc.stderr[-3000:]
+    assert took < 60, took
 
 
 @pytest.mark.timeout(180)

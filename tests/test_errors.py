@@ -115,9 +115,11 @@ def test_dead_peer_becomes_an_error():
 @pytest.mark.parametrize("lane", [False, True])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_silent_peer_times_out_with_its_rank_named(backend, lane):
+    """The communication timeout alone (heartbeats off; test_faults.py has them find it)."""
     failure = run_ranks(body_peer_lost, 2, backend, args=("stop", lane), expect_failure=True,
                         timeout=40, settle_on=[0],
-                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "4"})
+                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "4",
+                             "HOROVOD_HEARTBEAT_SECONDS": "0"})
     message, elapsed = failure.results[0]
     assert "rank 1" in message and "did not answer within 4 s" in message, message
     assert elapsed < 10

@@ -151,8 +151,11 @@ def body_local_rank_dies():
 
 @pytest.mark.timeout(60)
 def test_a_local_rank_that_dies_is_named_at_once():
+    # heartbeats off: they would report the death first (test_faults.py); this is the
+    # segment's own check of its peers' processes
     failure = run_ranks(body_local_rank_dies, 2, "gloo", expect_failure=True, settle_on=[0],
-                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "30"}, timeout=45)
+                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "30",
+                             "HOROVOD_HEARTBEAT_SECONDS": "0"}, timeout=45)
     message, seconds = failure.results[0]
     assert "local rank 1" in message and "has died" in message, message
     assert seconds < 5, seconds      # found by its pid, long before the 30 s timeout

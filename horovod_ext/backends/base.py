@@ -79,6 +79,11 @@ class Communicator(ABC):
     def barrier(self) -> None:
         """Return once every rank has entered."""
 
+    def abort(self, reason: str) -> None:
+        """End this rank's waits in calls on this communicator, now and later, with a
+        ``CommunicationError(reason)``: a peer has failed elsewhere (faults).  Where a blocked
+        call cannot be left (MPI), the job ends instead (``end_job``)."""
+
     def end_job(self, reason: str) -> None:
         """End the whole job over ``reason``, where the transport's convention is that errors
         are fatal (MPI: a job cannot start afresh); elsewhere return, and the caller raises."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import List, Mapping, Tuple
 
 from .base import Communicator
+from .liveness import take_stopped_workers
 
 _MPI_VARS = [("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
              ("PMIX_RANK", "OMPI_UNIVERSE_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")]
@@ -287,7 +288,9 @@ def _join_elastic(env, timeout):
     global elastic_membership
     addr, _, port = env["HOROVOD_ELASTIC_DRIVER"].rpartition(":")
     wait = float(env.get("HOROVOD_ELASTIC_TIMEOUT", "600")) + 60.0
-    line = f"join {env.get('HOROVOD_ELASTIC_WORKER', '?')} {hostname(env)}\n"
+    # Peers that stopped answering in the last generation are named: the driver drops them.
+    stopped = "".join(f" stopped:{w}" for w in take_stopped_workers())
+    line = f"join {env.get('HOROVOD_ELASTIC_WORKER', '?')} {hostname(env)}{stopped}\n"
     try:
         with socket.create_connection((addr, int(port)), timeout=10.0) as conn:
             conn.sendall(line.encode())

@@ -67,65 +67,19 @@ class ControlChannel:
         self.rank, self.size, self.timeout = rank, size, timeout
         self._peers = {}   # rank 0: worker rank -> socket
         self._coord = None  # workers: socket to rank 0
-        self._listener = None
 
     @classmethod
     def connect(cls, comm: Communicator, timeout: float,
                 iface: Optional[str] = None) -> "ControlChannel":
         """Collective over ``comm``: rank 0 listens, the others connect to it."""
         chan = cls(comm.rank, comm.size, timeout)
-        if comm.size == 1:
-            return chan
-        if comm.rank == 0:
-            chan._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            chan._listener.bind(("0.0.0.0", 0))
-            chan._listener.listen(comm.size)
-            where = (local_ipv4_addresses(iface), chan._listener.getsockname()[1])
-        else:
-            where = None
-        addresses, port = comm.broadcast_object(where, root=0)
-        if comm.rank == 0:
-            chan._accept_all()
-        else:
-            chan._connect_to(addresses, port)
+        if comm.size > 1:
+            links = connect_star(comm, timeout, iface, "control plane")
+            if comm.rank == 0:
+                chan._peers = links
+            else:
+                chan._coord = links[0]
         return chan
-
-    def _accept_all(self):
-        deadline = time.monotonic() + self.timeout
-        while len(self._peers) < self.size - 1:
-            self._listener.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                missing = sorted(set(range(1, self.size)) - set(self._peers))
-                raise CommunicationError(
-                    f"control plane: ranks {missing} did not connect to rank 0 within "
-                    f"{self.timeout:.0f} s") from None
-            _tune(sock)
-            sock.settimeout(self.timeout)
-            (peer,) = struct.unpack("!I", _recv_exact(sock, 4, "a new peer"))
-            self._peers[peer] = sock
-        self._listener.close()
-        self._listener = None
-
-    def _connect_to(self, addresses, port):
-        errors = []
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            for addr in addresses:
-                try:
-                    sock = socket.create_connection((addr, port), timeout=2.0)
-                except OSError as exc:
-                    errors.append(f"{addr}:{port}: {exc}")
-                    continue
-                _tune(sock)
-                sock.settimeout(self.timeout)
-                sock.sendall(struct.pack("!I", self.rank))
-                self._coord = sock
-                return
-            time.sleep(0.1)
-        raise CommunicationError(f"control plane: rank {self.rank} could not reach rank 0 at "
-                                 f"{addresses} port {port}: {errors[-3:]}")
 
     # --- the one operation --------------------------------------------------------------------
     def allgather(self, payload: bytes, caller_blocked: bool = False) -> List[bytes]:
@@ -163,14 +117,83 @@ class ControlChannel:
             raise CommunicationError(f"control plane: lost the connection to ranks {failed}: "
                                      f"they have died or shut down")
 
+    def abort(self):
+        """End a wait in this channel at once (a peer has failed elsewhere, liveness.py): its
+        sockets are shut down, so a blocked receive returns."""
+        for sock in list(self._peers.values()) + [self._coord]:
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def close(self):
-        for sock in list(self._peers.values()) + [self._coord, self._listener]:
+        for sock in list(self._peers.values()) + [self._coord]:
             if sock is not None:
                 try:
                     sock.close()
                 except OSError:
                     pass
-        self._peers, self._coord, self._listener = {}, None, None
+        self._peers, self._coord = {}, None
+
+
+def connect_star(comm: Communicator, timeout: float, iface: Optional[str],
+                 what: str) -> dict:
+    """Collective over ``comm``: TCP connections between rank 0 and every other rank.  Rank 0
+    gets {worker rank: socket}; the others {0: socket to rank 0}.  ``what`` names the channel
+    in errors."""
+    listener = None
+    if comm.rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("0.0.0.0", 0))
+        listener.listen(comm.size)
+        where = (local_ipv4_addresses(iface), listener.getsockname()[1])
+    else:
+        where = None
+    addresses, port = comm.broadcast_object(where, root=0)
+    if comm.rank != 0:
+        return {0: _connect_to(comm.rank, addresses, port, timeout, what)}
+    try:
+        return _accept_all(listener, comm.size, timeout, what)
+    finally:
+        listener.close()
+
+
+def _accept_all(listener, size: int, timeout: float, what: str) -> dict:
+    peers = {}
+    deadline = time.monotonic() + timeout
+    while len(peers) < size - 1:
+        listener.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            sock, _ = listener.accept()
+        except socket.timeout:
+            missing = sorted(set(range(1, size)) - set(peers))
+            raise CommunicationError(f"{what}: ranks {missing} did not connect to rank 0 "
+                                     f"within {timeout:.0f} s") from None
+        _tune(sock)
+        sock.settimeout(timeout)
+        (peer,) = struct.unpack("!I", _recv_exact(sock, 4, "a new peer"))
+        peers[peer] = sock
+    return peers
+
+
+def _connect_to(rank: int, addresses, port: int, timeout: float, what: str):
+    errors = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for addr in addresses:
+            try:
+                sock = socket.create_connection((addr, port), timeout=2.0)
+            except OSError as exc:
+                errors.append(f"{addr}:{port}: {exc}")
+                continue
+            _tune(sock)
+            sock.settimeout(timeout)
+            sock.sendall(struct.pack("!I", rank))
+            return sock
+        time.sleep(0.1)
+    raise CommunicationError(f"{what}: rank {rank} could not reach rank 0 at {addresses} "
+                             f"port {port}: {errors[-3:]}")
 
 
 def _tune(sock):

@@ -165,6 +165,9 @@ class MPIControlChannel:
         return (f"rank 0 did not answer within {self.timeout:.0f} s: it has stopped or is "
                 f"stuck")
 
+    def abort(self):
+        """Nothing to do: under MPI a peer's failure ends the job (faults.py)."""
+
     def close(self):
         MPI = _mpi()
         if not MPI.Is_finalized():

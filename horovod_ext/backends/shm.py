@@ -57,6 +57,7 @@ class SharedMemoryGroup:
         self._capacity = 0
         self._phase = 0          # this rank's counter: phases completed so far
         self._pool: Optional[ThreadPoolExecutor] = None   # runs the cross-node steps
+        self._aborted: Optional[str] = None   # why waits end at once (a peer has failed)
 
     # --- the segment --------------------------------------------------------------------------
     def _ensure(self, nbytes: int):
@@ -134,7 +135,14 @@ class SharedMemoryGroup:
                     f"shared-memory {what}: local ranks {late} did not arrive within "
                     f"{self.timeout:.0f} s (local rank {self.rank} of {self.size})")
 
+    def abort(self, reason: str):
+        """Every wait, now and later, ends in ``CommunicationError(reason)``: a peer has failed
+        elsewhere (liveness.py) and will not arrive.  Called from another thread."""
+        self._aborted = reason
+
     def _check_peers(self, target: int, what: str):
+        if self._aborted is not None:
+            raise CommunicationError(f"shared-memory {what} abandoned: {self._aborted}")
         for k in range(self.size):
             if self._counters[k] < target and not _alive(int(self._pids[k])):
                 raise CommunicationError(

@@ -160,6 +160,14 @@ class Topology:
             return in_node.allgather_rows(tensor, list(counts))
         return self.local.allgather(tensor, counts)
 
+    def abort_waits(self, reason: str):
+        """End this rank's waits for its peers, in shared memory and in its communicators,
+        with ``reason`` (a peer has failed, liveness.py)."""
+        if self._in_node is not None:
+            self._in_node.abort(reason)
+        for comm in {id(c): c for c in (self.cross, self.local, self.world)}.values():
+            comm.abort(reason)
+
     def close(self):
         if self._in_node is not None:
             self._in_node.close()

@@ -6,7 +6,15 @@ tensor's device.  CUDA tensors without NCCL are staged through pinned host memor
 (``staging``: an allreduce chunk by chunk, its copies overlapping the collective).  Before
 its first NCCL collective a communicator checks, over Gloo, that no two of its ranks drive the
 same GPU (``devices``), so that such a layout fails at once, saying what to change.
+
+Gloo calls are issued asynchronously and waited for in slices: a thread blocked in one, waiting
+for a peer that has failed elsewhere, is released by ``abort`` (faults, liveness.py) at once
+rather than at the group's timeout.  Gloo cannot cancel the call itself, and destroying a group
+whose call still waits blocks until that timeout (its destructor joins the waiting thread), so an
+aborted group is kept, unused, for the life of the process; the next ``hvd.init()`` makes new
+ones, and the process's exit closes the old one's sockets.
 """
+import ctypes
 import datetime
 from typing import Sequence
 
@@ -18,6 +26,9 @@ from .base import CommunicationError, Communicator, ReduceOp
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on releases either side of that.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_WAIT_SLICE = datetime.timedelta(milliseconds=100)   # how soon a blocked call sees an abort
+_ABANDONED = []   # aborted Gloo groups, never destroyed (see the module's docstring)
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
               ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
@@ -49,6 +60,7 @@ class TorchCommunicator(Communicator):
         self._timeout = timeout
         self._owns_groups = False
         self._gpu_error = None  # None: not checked yet; "": every rank has a GPU of its own
+        self._aborted = None    # why waits end at once: a peer has failed (abort)
 
     @classmethod
     def world(cls, use_nccl: bool, timeout: datetime.timedelta) -> "TorchCommunicator":
@@ -57,6 +69,36 @@ class TorchCommunicator(Communicator):
         return cls(range(dist.get_world_size()), dist.group.WORLD, cuda_group, timeout)
 
     # --- helpers ------------------------------------------------------------------------------
+    def abort(self, reason: str):
+        """End this communicator's Gloo waits, now and later, with ``reason``."""
+        self._aborted = reason
+        group = self._cpu_group
+        if not any(g is group for g in _ABANDONED):
+            _ABANDONED.append(group)
+            # a reference nothing releases, not even the interpreter's exit
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+    def _call(self, collective, *args, group, **kwargs):
+        """``collective(*args, group=group, **kwargs)``; over Gloo, issued asynchronously and
+        waited for in slices, so that ``abort`` ends the wait."""
+        if group is self._cuda_group:
+            return collective(*args, group=group, **kwargs)
+        self._wait(collective(*args, group=group, async_op=True, **kwargs), group)
+
+    def _wait(self, work, group):
+        if group is self._cuda_group:
+            return work.wait()
+        while True:
+            if self._aborted is not None:
+                raise CommunicationError(f"abandoned on rank {self.rank}: {self._aborted}")
+            try:
+                work.wait(timeout=_WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():   # the call itself failed: its own error
+                    work.wait()
+                    raise
+
     def _nccl_for(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and self._cuda_group is not None
 
@@ -105,10 +147,11 @@ class TorchCommunicator(Communicator):
             # chunk by chunk, each chunk's copies overlapping its neighbours' collectives
             group, torch_op = self._cpu_group, _TORCH_OPS[op]
             staging.stager().allreduce(
-                tensor, lambda chunk: dist.all_reduce(chunk, op=torch_op, group=group))
+                tensor, lambda chunk: self._call(dist.all_reduce, chunk, op=torch_op,
+                                                 group=group))
             return
         group, t, _ = self._group_for(tensor)
-        dist.all_reduce(t, op=_TORCH_OPS[op], group=group)
+        self._call(dist.all_reduce, t, op=_TORCH_OPS[op], group=group)
 
     @_wrap_errors
     def _allgather(self, tensor, counts):
@@ -121,7 +164,7 @@ class TorchCommunicator(Communicator):
             padded[:t.shape[0]] = t
             t = padded
         out = self._host_empty(t, orig is not None, (rows * self.size,) + tuple(t.shape[1:]))
-        _all_gather_single(out, t, group=group)
+        self._call(_all_gather_single, out, t, group=group)
         if any(c != rows for c in counts):
             out = torch.cat([out[i * rows:i * rows + c] for i, c in enumerate(counts)])
         return out.to(orig.device) if orig is not None else out
@@ -133,8 +176,8 @@ class TorchCommunicator(Communicator):
                                   recv_splits).view(torch.int16)
         group, t, orig = self._group_for(tensor)
         out = self._host_empty(t, orig is not None, (sum(recv_splits),) + tuple(t.shape[1:]))
-        dist.all_to_all_single(out, t, output_split_sizes=list(recv_splits),
-                               input_split_sizes=list(send_splits), group=group)
+        self._call(dist.all_to_all_single, out, t, output_split_sizes=list(recv_splits),
+                   input_split_sizes=list(send_splits), group=group)
         return out.to(orig.device) if orig is not None else out
 
     @_wrap_errors
@@ -142,7 +185,7 @@ class TorchCommunicator(Communicator):
         if tensor.dtype == torch.int16:
             return self._broadcast(tensor.view(torch.float16), root)
         group, t, orig = self._group_for(tensor, fill=self.rank == root)
-        dist.broadcast(t, src=self.global_ranks[root], group=group)
+        self._call(dist.broadcast, t, src=self.global_ranks[root], group=group)
         if orig is not None:
             orig.copy_(t)
 
@@ -182,19 +225,20 @@ class TorchCommunicator(Communicator):
         staged = None
         if recv is not None:
             group, staged, orig = self._group_for(recv, collective=False, fill=False)
-            works.append(dist.irecv(staged, self.global_ranks[src], group=group))
+            works.append((dist.irecv(staged, self.global_ranks[src], group=group), group))
         if send is not None:
             group, t, _ = self._group_for(send, collective=False)
-            works.append(dist.isend(t.contiguous(), self.global_ranks[dst], group=group))
-        for w in works:
-            w.wait()
+            works.append((dist.isend(t.contiguous(), self.global_ranks[dst], group=group),
+                          group))
+        for w, group in works:
+            self._wait(w, group)
         if recv is not None and staged is not recv:
             recv.copy_(staged)
 
     @_wrap_errors
     def barrier(self):
         if self.size > 1:
-            dist.barrier(group=self._cpu_group)
+            self._call(dist.barrier, group=self._cpu_group)
 
     def split(self, colour, key=None):
         entries = self.allgather_object((colour, self.rank if key is None else key, self.rank))

@@ -27,7 +27,7 @@ from .execution import Executor, zeros_request
 from .fast_lane import CachedAllreduce, Key, Plans
 from .fusion import plan_batches
 from .negotiation import Negotiator, Ready
-from .requests import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request, track
+from .requests import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request
 from .waiting import Waiters
 
 log = logging.getLogger("horovod_ext")
@@ -59,8 +59,8 @@ class Engine:
         self.stats = {"cycles": 0, "cache_hits": 0, "announced": 0, "fused_buffers": 0,
                       "fast_lane": 0}
         self._lane = Plans(comms, self._negotiator.cache)
-        self._plans: Dict[str, CachedAllreduce] = self._lane.by_name   # see fast_lane.py
-        self._executor = Executor(comms, self.stats, self._keep_plan)
+        self._executor = Executor(comms, self.stats, lambda request, tensor: self._lane.keep(
+            request, tensor, self.config.cache_capacity))
         self._running: List[Request] = []     # taken out of _local for this round's execution
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._caller_cycle = False            # a blocked caller is running a cycle
@@ -69,6 +69,8 @@ class Engine:
         self._last_end = 0.0
         self._round_started = 0  # perf_counter_ns at the start of the round (timeline)
         self._not_before = 0.0   # NEXT_CYCLE requests: no cycle before this (monotonic s)
+        # Told of this rank's own failures, to pass on to its peers (faults.py)
+        self.report_failure: Callable[[str], None] = lambda reason: None
         self._thread = threading.Thread(target=self._run, name="horovod_ext-engine", daemon=True)
         self._thread.start()
 
@@ -91,8 +93,7 @@ class Engine:
             self._new.append(request)
             if was_idle and wake == NEXT_CYCLE:
                 self._not_before = time.monotonic() + self._cycle_s
-                self._cond.notify()
-            elif was_idle and wake:
+            if was_idle and wake:
                 self._cond.notify()
         if self.size == 1:  # nothing to negotiate: complete it now, on the caller's thread
             with self._cycle_lock:
@@ -153,8 +154,7 @@ class Engine:
     def _lane_round(self, plan: CachedAllreduce, name: str, tensor: torch.Tensor,
                     make_request: Callable[[], Request]):
         """A round that sends ``plan``'s message alone (the caller holds _cycle_lock)."""
-        tl = trace.recorder
-        if tl is not None:
+        if trace.recorder is not None:
             self._round_started = time.perf_counter_ns()
         try:
             messages = self.control.agree(plan.message, True)
@@ -164,7 +164,7 @@ class Engine:
         self.stats["cycles"] += 1
         self.stats["cache_hits"] += 1
         if messages is None:  # every rank sent this cached request alone: run it
-            return self._run_plan(plan, name, tensor, tl)
+            return self._run_plan(plan, name, tensor)
         # Some rank sent something else: the request is announced (by its cache id) and
         # continues on the general path from this round's messages.
         request = make_request()
@@ -175,29 +175,19 @@ class Engine:
         self._run_round(lambda: self._after_round(plan.message, messages, [plan.cid]))
         return request.handle
 
-    def _run_plan(self, plan: CachedAllreduce, name: str, tensor: torch.Tensor, tl):
+    def _run_plan(self, plan: CachedAllreduce, name: str, tensor: torch.Tensor):
         self._last_round_active = True
         self.stats["fast_lane"] += 1
         if not plan.in_place:
             tensor = tensor.detach().clone()
         try:
-            if tl is None:
-                plan.run(tensor)
-            else:
-                tracks = (track("allreduce", name),)
-                tl.negotiated_together([(tracks, "allreduce")], self.size, self._round_started)
-                with tl.executing(tracks, "STEADY_STATE_ALLREDUCE", None,
-                                  trace.nbytes_of(tensor)):
-                    plan.run(tensor)
-        except CommunicationError as exc:
+            plan.run_recorded(tensor, name, self._round_started)
+        except Exception as exc:  # the peers may wait mid-transfer: stop, as on a lost peer
+            if not isinstance(exc, CommunicationError):
+                exc = HorovodInternalError(f"allreduce of '{name}' failed: {exc}")
             self._fail_everything(exc)
             raise self._fatal from exc
-        except Exception as exc:  # the op failed on this request: fail it, keep running
-            raise HorovodInternalError(f"allreduce of '{name}' failed: {exc}") from exc
         return tensor
-
-    def _keep_plan(self, request: Request, tensor: torch.Tensor):
-        self._lane.keep(request, tensor, self.config.cache_capacity)
 
     def reconfigure(self, config: Config):
         """Take ``config``'s fusion threshold, cycle time and cache capacity from now on.
@@ -207,13 +197,20 @@ class Engine:
         self._cycle_s = config.cycle_time_ms / 1000.0
         self._negotiator.reconfigure(config)
         if config.cache_capacity == 0:
-            self._plans.clear()
+            self._lane.by_name.clear()
 
     def shutdown(self):
         with self._cond:
             self._shutdown_requested = True
             self._cond.notify()
-        self._thread.join()
+        self._thread.join(None if self._fatal is None else 1.0)  # failed: maybe in a transfer
+
+    def fail_from_peer(self, reason: str):
+        """A peer has failed (faults.py): fail every request with ``reason``, leave waits."""
+        if not self._stopped:
+            self._fail_everything(CommunicationError(reason), tell_peers=False)
+        self.comms.topology.abort_waits(reason)
+        self.control.abort()
 
     @property
     def running(self) -> bool:
@@ -221,8 +218,7 @@ class Engine:
 
     @property
     def failure(self) -> Optional[BaseException]:
-        """The communication failure that stopped this engine, if one did."""
-        return self._fatal
+        return self._fatal   # the failure that stopped this engine, if one did
 
     # --- the background thread ----------------------------------------------------------------
     def _run(self):
@@ -384,17 +380,21 @@ class Engine:
             r.handle._finish(error=HorovodInternalError(
                 f"horovod_ext was shut down before '{r.name}' could complete"))
 
-    def _fail_everything(self, exc: BaseException):
-        """Stop the engine (its thread wakes and ends) and fail every request with ``exc``."""
+    def _fail_everything(self, exc: BaseException, tell_peers: bool = True):
+        """Stop the engine (its thread wakes and ends) and fail every request with ``exc``;
+        ``tell_peers``: this rank's own failure, which its peers may be waiting on."""
         error = HorovodInternalError(f"horovod_ext stopped on rank {self.rank}: {exc}")
         error.__cause__ = exc
-        log.error("%s", error)
         with self._cond:
-            self._fatal = error
-            self._stopped = True
+            if self._fatal is not None:   # failed already (a peer's notice came first)
+                return
+            self._fatal, self._stopped = error, True
             self._cond.notify_all()
             leftovers = list(self._local.values()) + self._new
             leftovers += [r for r in self._running if not r.handle.done()]
             self._local, self._new, self._running = {}, [], []
+        log.error("%s", error)
+        if tell_peers:
+            self.report_failure(f"rank {self.rank} failed: {exc}")
         for r in leftovers:
             r.handle._finish(error=error)

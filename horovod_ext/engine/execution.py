@@ -2,9 +2,10 @@
 
 Allreduces go through their op (``ops.reduce_flat``) on one flat buffer: the caller's own tensor
 in place where possible, a fusion buffer for several tensors.  Every other kind is one call on
-the set's communicators.  An op or a runner that raises fails only its own requests; a
-``CommunicationError`` propagates, since the transport is gone for every request (the engine
-stops).
+the set's communicators.  An op or a runner that raises on one rank of several leaves its peers
+waiting in the middle of a collective, with the transport in an unknown state: the error
+propagates and stops the engine, whose peers learn of it at once (faults.py).  Alone, a rank
+fails only the requests concerned.
 """
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -19,6 +20,11 @@ from .fusion import Batch, FusionBuffers, layers_of
 from .requests import Handle, HorovodInternalError, Request, RequestMeta, track
 
 Metas = Dict[int, RequestMeta]
+
+
+def _names(members: List[Request]) -> str:
+    names = [f"'{r.name}'" for r in members]
+    return names[0] if len(names) == 1 else f"{len(names)} fused requests ({', '.join(names)})"
 
 
 def zeros_request(name: str, meta: RequestMeta, handle: Handle,
@@ -100,10 +106,12 @@ class Executor:
             buffer = reduce_flat(op, buffer, layers, self.comms, first.prescale, first.postscale)
         except CommunicationError:
             raise
-        except Exception as exc:  # the op itself failed: fail these requests, keep running
+        except Exception as exc:
+            error = HorovodInternalError(f"allreduce of {_names(members)} failed: {exc}")
+            if self.size > 1:
+                raise error from exc
             for r in members:
-                r.handle._finish(
-                    error=HorovodInternalError(f"allreduce of '{r.name}' failed: {exc}"))
+                r.handle._finish(error=error)
             return
         if first.lane_key is not None and len(members) == 1 and alone:
             self._keep_plan(first, tensors[0])
@@ -162,7 +170,10 @@ class Executor:
         except CommunicationError:
             raise
         except Exception as exc:
-            r.handle._finish(error=HorovodInternalError(f"{r.kind} of '{r.name}' failed: {exc}"))
+            error = HorovodInternalError(f"{r.kind} of '{r.name}' failed: {exc}")
+            if self.size > 1:
+                raise error from exc
+            r.handle._finish(error=error)
             return
         r.handle._finish([result])
 

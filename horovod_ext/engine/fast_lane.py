@@ -20,7 +20,7 @@ from horovod_ext.ops import Op, reduce_flat
 from . import wire
 from .fusion import layers_of
 from .negotiation import ResponseCache
-from .requests import Request
+from .requests import Request, track
 
 Key = Tuple
 
@@ -61,6 +61,17 @@ class CachedAllreduce:
         if flat_elementwise:
             self._prepared = comms.world.prepare_allreduce_by_address(tensor.view(-1),
                                                                       op.reduce_op)
+
+    def run_recorded(self, tensor: torch.Tensor, name: str, round_started: int) -> None:
+        """``run``, on the timeline when one is recorded (the round began at perf_counter_ns
+        ``round_started``)."""
+        tl = trace.recorder
+        if tl is None:
+            return self.run(tensor)
+        tracks = (track("allreduce", name),)
+        tl.negotiated_together([(tracks, "allreduce")], self._comms.world.size, round_started)
+        with tl.executing(tracks, "STEADY_STATE_ALLREDUCE", None, trace.nbytes_of(tensor)):
+            self.run(tensor)
 
     def run(self, tensor: torch.Tensor) -> None:
         """Reduce ``tensor`` in place, as the engine would (``Executor._run_allreduce``); for a

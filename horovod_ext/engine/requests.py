@@ -41,6 +41,8 @@ class Handle:
         return self._done
 
     def _finish(self, result=None, error=None):
+        if self._done:   # a peer's failure finished it first (faults.py): the caller has that
+            return
         self._result, self._error = result, error
         self._done = True
         event = self._event   # read after _done is set: see _sleep_until_done

@@ -7,10 +7,8 @@ communicators and control plane, so requests on different sets never wait on eac
 """
 import atexit
 import logging
-import statistics
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -25,6 +23,7 @@ from horovod_ext.ops import reset_all as reset_all_ops
 
 from . import autotune, timeline
 from .engine import Engine
+from .faults import FaultRouter
 from .requests import HorovodInternalError, Request
 
 _LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
@@ -65,6 +64,7 @@ class _State:
         self.last_world_size = 0   # the world's size at the latest init (0: none yet)
         self.clock_zero_ns = 0   # time.time_ns() here at rank 0's init (the timeline's zero)
         self.autotuner: Optional[autotune.Autotuner] = None
+        self.faults: Optional[FaultRouter] = None
 
     # The world's runtime, read through process set 0.
     @property
@@ -136,15 +136,18 @@ def init(comm=None):
         state.config = config
         state.sets, state.next_set_id = {0: _SetRuntime(list(range(world.size)), topology)}, 1
         try:
-            state.clock_zero_ns = _clock_zero(world)
+            state.clock_zero_ns = timeline.clock_zero(world)
             # Before the engine runs: a faster rank's first submission reaches this rank's
             # negotiation as soon as the engine's loop starts, and belongs in the timeline.
             if config.timeline and config.timeline.upper() != "DYNAMIC":
                 _start_timeline(config.timeline, config.timeline_mark_cycles)
-            control, comms, engine = _start_engine(topology, transport, config)
+            state.faults = FaultRouter.start(world, transport, config, lambda: state.sets)
+            control, comms, engine = _start_engine(topology, transport, config, 0)
         except BaseException:
             timeline.stop()
             state.sets = {}
+            if state.faults is not None:
+                state.faults.close()
             raise
         state.comms, state.transport = comms, transport
         state.sets[0].control, state.sets[0].engine = control, engine
@@ -162,23 +165,6 @@ def init(comm=None):
         if not state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             state.atexit_registered = True
-
-
-def _clock_zero(world) -> int:
-    """This process's ``time.time_ns()`` at rank 0's, now: right after a barrier every rank
-    reads its clock, and the median over a few rounds of the difference to rank 0's reading is
-    this clock's offset (within about one latency of the barrier's release)."""
-    if world.size == 1:
-        return time.time_ns()
-    import torch
-    offsets, zero = [], None
-    for _ in range(3):
-        world.barrier()
-        now = torch.tensor([time.time_ns()], dtype=torch.int64)
-        readings = world.allgather(now)
-        offsets.append(int(readings[world.rank]) - int(readings[0]))
-        zero = int(readings[0]) if zero is None else zero
-    return zero + int(statistics.median(offsets))
 
 
 def _start_timeline(path: str, mark_cycles: bool):
@@ -227,13 +213,16 @@ def autotune_step(nbytes: int):
     tuner.begin_sample(setting, frozen)
 
 
-def _start_engine(topology: Topology, transport: str, config: Config):
-    """(control plane, collectives, engine) over ``topology``'s communicators."""
+def _start_engine(topology: Topology, transport: str, config: Config, set_id: int):
+    """(control plane, collectives, engine) over ``topology``'s communicators, for process set
+    ``set_id``."""
     control = _control_channel(transport, topology.world, config)
     topology.shared_memory, topology.timeout = config.shared_memory, config.timeout_s
     comms = Collectives(topology, config.hierarchical_allreduce, config.hierarchical_allgather,
                         config.hierarchical_chunk_bytes)
-    return control, comms, Engine(comms, control, config)
+    engine = Engine(comms, control, config)
+    state.faults.watch(engine, set_id)
+    return control, comms, engine
 
 
 def _control_channel(transport: str, world, config: Config):
@@ -256,6 +245,7 @@ def shutdown():
             errors += set_runtime.close()
         state.sets = {}
         errors += world.close()
+        state.faults.close()
         timeline.stop()
         if state.owns_torch_dist:
             import torch.distributed as dist
@@ -287,8 +277,8 @@ def add_process_set(ranks: List[int]) -> int:
         set_runtime = _SetRuntime(ranks)
         if sub is not None:
             set_runtime.topology = sub
-            set_runtime.control, _, set_runtime.engine = _start_engine(sub, state.transport,
-                                                                       state.config)
+            set_runtime.control, _, set_runtime.engine = _start_engine(
+                sub, state.transport, state.config, state.next_set_id)
         set_id, state.next_set_id = state.next_set_id, state.next_set_id + 1
         state.sets[set_id] = set_runtime
         return set_id

@@ -16,10 +16,13 @@ its clock's offset from rank 0's measured at init, so files written by all ranks
 """
 import json
 import os
+import statistics
 import threading
 import time
 from collections import deque
 from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from horovod_ext.backends import trace
 
@@ -254,3 +257,19 @@ def load(path: str) -> list:
         lines = lines[:-1]          # a line the writer did not finish
     body = "\n".join(line for line in lines if line.strip() not in ("", "]"))
     return json.loads(body + "\n]")
+
+
+def clock_zero(world) -> int:
+    """This process's ``time.time_ns()`` at rank 0's, now: right after a barrier every rank
+    reads its clock, and the median over a few rounds of the difference to rank 0's reading is
+    this clock's offset (within about one latency of the barrier's release)."""
+    if world.size == 1:
+        return time.time_ns()
+    offsets, zero = [], None
+    for _ in range(3):
+        world.barrier()
+        now = torch.tensor([time.time_ns()], dtype=torch.int64)
+        readings = world.allgather(now)
+        offsets.append(int(readings[world.rank]) - int(readings[0]))
+        zero = int(readings[0]) if zero is None else zero
+    return zero + int(statistics.median(offsets))

@@ -145,7 +145,10 @@ class ElasticDriver:
             conn.close()
             return
         parts = data.decode(errors="replace").split()
-        if len(parts) == 3 and parts[0] == "join" and parts[1].isdigit():
+        if len(parts) >= 3 and parts[0] == "join" and parts[1].isdigit():
+            for word in parts[3:]:   # peers it reports as stopped (their heartbeats ended)
+                if word.startswith("stopped:") and word[8:].isdigit():
+                    self.sup.events.put(("stopped", int(word[8:]), int(parts[1])))
             self.sup.events.put(("join", int(parts[1]), conn))
         else:
             conn.close()
@@ -289,6 +292,16 @@ class ElasticDriver:
                   f"{worker.host} blacklisted {how_long}; going on with "
                   f"{len(self._live())} workers")
 
+    def _drop_stopped(self, wid: int, reporter: int):
+        """Worker ``wid`` stopped answering its peers (hung, SIGSTOP): killed, so that it
+        leaves like a dead one and the others form without it."""
+        worker = next((w for w in self.workers if w.wid == wid), None)
+        if worker is None or worker.status != "running" or worker.proc.code is not None:
+            return
+        self._say(f"worker {wid} (host {worker.host}) stopped answering its peers' heartbeats "
+                  f"(reported by worker {reporter}): killing it")
+        worker.proc.kill()
+
     def _check_enough(self, now: float):
         live = len(self._live())
         if live >= self.o.min_np or self.finishing:
@@ -345,6 +358,8 @@ class ElasticDriver:
                     event[2].close()
                 else:
                     worker.conn = event[2]
+            elif event and event[0] == "stopped":
+                self._drop_stopped(event[1], event[2])
             elif event and event[0] == "signal":
                 self._say(f"got {signal.Signals(event[1]).name}: stopping the workers")
                 self._stop_all()

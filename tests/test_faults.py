@@ -1,0 +1,144 @@
+"""Failures between ranks end in errors that name the culprit within seconds: a rank whose op
+raises, a rank that dies, a rank that stops answering (SIGSTOP).  Real processes over real
+Gloo and MPI; each test's timeout bounds it."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.harness import BACKENDS, run_ranks
+
+FAIL_FAST_S = 2.0
+
+
+def body_op_raises_on_some_ranks(failing):
+    """Ranks in ``failing`` raise inside a registered op; the others are in the middle of the
+    collective (waiting for them in shared memory or in Gloo)."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.ops import Op
+
+    class FailsOnSomeRanks(Op):
+        name = "test_fails_on_some_ranks"
+
+        def allreduce(self, buffer, layers, comms):
+            if hvd.rank() in failing:
+                raise RuntimeError(f"injected failure on rank {hvd.rank()}")
+            return comms.allreduce(buffer)
+
+    op = hvd.register_op(FailsOnSomeRanks())
+    assert hvd.allreduce(torch.ones(4), op=hvd.Sum, name="before").tolist() == [hvd.size()] * 4
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(1 << 16), op=op, name="doomed")
+        error = None
+    except hvd.HorovodInternalError as exc:
+        error = str(exc)
+    took = time.monotonic() - start
+    try:   # the engine has stopped on every rank: later calls say so at once
+        hvd.allreduce(torch.ones(2), name="later")
+        later = None
+    except hvd.HorovodInternalError as exc:
+        later = str(exc)
+    hvd.shutdown()
+    hvd.init()   # a fresh start works (the elastic path does this after restoring)
+    after = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()
+    return error, took, later, after
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_op_failing_on_two_of_four_ranks_fails_every_rank_at_once(shared_memory):
+    """Ranks 2 and 3 raise inside the op while ranks 0 and 1 wait in the collective for them
+    (in shared memory, or in Gloo's receive): all four raise within 2 s, the others naming the
+    failing rank and its error; all four work again after hvd.init()."""
+    env = {"HOROVOD_SHARED_MEMORY": shared_memory, "HOROVOD_COMM_TIMEOUT_SECONDS": "60"}
+    results = run_ranks(body_op_raises_on_some_ranks, 4, "gloo", env=env,
+                        args=((2, 3),), timeout=100)
+    for r, (error, took, later, after) in enumerate(results):
+        assert error is not None, f"rank {r} did not fail"
+        assert took < FAIL_FAST_S, (r, took, error)
+        assert "'doomed' failed" in error and "injected failure on rank" in error, error
+        if r < 2:
+            assert "rank 2 failed" in error or "rank 3 failed" in error, error
+        assert later is not None and "stopped" in later, later
+        assert after == [4.0, 4.0], after
+
+
+def body_rank_stops_mid_collective(heartbeat_s):
+    """Rank 1 stops (SIGSTOP) inside an op, after rank 0 has entered the collective: rank 0 is
+    left waiting in a transfer for it, with a minute's timeout."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.ops import Op
+
+    class StopsOnRankOne(Op):
+        name = "test_stops_on_rank_one"
+
+        def allreduce(self, buffer, layers, comms):
+            if hvd.rank() == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return comms.allreduce(buffer)
+
+    op = hvd.register_op(StopsOnRankOne())
+    hvd.allreduce(torch.ones(4), op=hvd.Sum, name="before")
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(1 << 12), op=op, name="stalled")
+        return None
+    except hvd.HorovodInternalError as exc:
+        return str(exc), time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stopped_rank_is_reported_within_two_heartbeats(backend):
+    """A rank stopped in the middle of a collective is named by its peer within two heartbeats
+    (plus one for the beat's phase and scheduling), not at the one-minute timeout.  Under MPI,
+    whose calls cannot be left, the job ends with the same reason."""
+    beat = 1.0
+    env = {"HOROVOD_HEARTBEAT_SECONDS": str(beat), "HOROVOD_COMM_TIMEOUT_SECONDS": "60"}
+    start = time.monotonic()
+    failure = run_ranks(body_rank_stops_mid_collective, 2, backend, args=(beat,), env=env,
+                        expect_failure=True, timeout=60, settle_on=[0])
+    if backend == "mpi":
+        assert "rank 1" in failure.output and "has stopped answering" in failure.output
+        assert "aborting the job" in failure.output, failure.output
+        assert time.monotonic() - start < 30
+        return
+    message, took = failure.results[0]
+    assert "rank 1" in message and "has stopped answering" in message, message
+    assert "HOROVOD_HEARTBEAT_SECONDS=1" in message, message
+    assert took < 3 * beat + 1.0, took
+
+
+def body_slow_rank(beat):
+    """Rank 1 computes in pure Python (holding the interpreter) for three heartbeats before
+    joining the allreduce."""
+    import horovod_ext.torch as hvd
+    if hvd.rank() == 1:
+        until, x = time.monotonic() + 3 * beat, 0
+        while time.monotonic() < until:
+            x += 1
+    return hvd.allreduce(torch.ones(2), op=hvd.Sum, name="late").tolist()
+
+
+@pytest.mark.timeout(60)
+def test_slow_rank_is_not_reported():
+    env = {"HOROVOD_HEARTBEAT_SECONDS": "0.5"}
+    for result in run_ranks(body_slow_rank, 2, "gloo", args=(0.5,), env=env):
+        assert result == [2.0, 2.0]
+
+
+@pytest.mark.timeout(120)
+def test_op_failing_on_one_rank_ends_an_mpi_job_at_once():
+    """Under MPI a failed op ends the job, as a deadlock does (a blocked MPI call cannot be
+    left): within seconds, with the failing rank and its error, not at the watchdog's timeout."""
+    start = time.monotonic()
+    failure = run_ranks(body_op_raises_on_some_ranks, 2, "mpi", args=((1,),),
+                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "60"}, expect_failure=True,
+                        timeout=90)
+    assert "rank 1 failed: allreduce of 'doomed' failed: injected failure on rank 1" \
+        in failure.output, failure.output
+    assert "aborting the job" in failure.output
+    assert time.monotonic() - start < 30
