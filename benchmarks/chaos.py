@@ -17,8 +17,10 @@ injected once per run, at a random step between 20% and 40% of the run (``--seed
 - ``kill_in_checkpoint``: rank 0 killed half-way through writing its checkpoint.
 
 Measured per run: whether the job completed (exit 0, every step done), the seconds from the
-fault to the first step after it (at whatever size), the sizes the job ran at, the step time
-before and after, whether the checkpoint on disk still loads, and hvdrun's account.  Prints a
+fault to the first step of a generation formed after it (recovery: the failure found, the job
+re-formed, the last commit restored; none where the job never re-formed), the sizes the job ran
+at, the step time before and after, whether the checkpoint on disk still loads, and hvdrun's
+account.  Prints a
 table and writes JSON.
 """
 import argparse
@@ -47,6 +49,7 @@ CHECKPOINT_EVERY = 10
 def worker(tmp: str, fault: str, at_step: int, steps: int):  # long: one training loop with its faults
     import torch
     import horovod_ext.torch as hvd
+    from horovod_ext.backends import bootstrap
     sys.path.insert(0, os.path.join(_spawn.REPO, "examples"))
     from fashion_mnist import Net
 
@@ -94,7 +97,9 @@ def worker(tmp: str, fault: str, at_step: int, steps: int):  # long: one trainin
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
-            log.write(f"{time.time()!r} {state.step} {hvd.size()} {loss.item():.4f}\n")
+            generation = bootstrap.elastic_membership.generation
+            log.write(f"{time.time()!r} {state.step} {hvd.size()} {generation} "
+                      f"{loss.item():.4f}\n")
             log.flush()
             state.step += 1
             if hvd.rank() == 0 and state.step % CHECKPOINT_EVERY == 0:
@@ -140,8 +145,8 @@ def _steps(tmp: str):
         if name.startswith("steps."):
             with open(os.path.join(tmp, name)) as f:
                 for line in f:
-                    t, step, size, loss = line.split()
-                    seen.append((float(t), int(step), int(size), float(loss)))
+                    t, step, size, generation, loss = line.split()
+                    seen.append((float(t), int(step), int(size), int(generation), float(loss)))
     return sorted(seen)
 
 
@@ -229,8 +234,12 @@ def one_run(fault: str, at_step: int, steps: int, timeout: float):  # long: star
         if os.path.exists(os.path.join(tmp, "fault")):
             with open(os.path.join(tmp, "fault")) as f:
                 fault_at = float(f.read().split()[0])
-        before = [t for t, *_ in seen if fault_at is None or t < fault_at]
-        after = [t for t, *_ in seen if fault_at is not None and t > fault_at]
+        starts = _step_starts(seen)
+        before = [t for t in starts if fault_at is None or t < fault_at]
+        after = [t for t in starts if fault_at is not None and t > fault_at]
+        # recovered: the first step of a generation formed after the fault
+        at_fault = max((g for t, _, _, g, _ in seen if fault_at and t <= fault_at), default=0)
+        recovered = [t for t, _, _, g, _ in seen if fault_at and t > fault_at and g > at_fault]
         checkpoint_ok = None
         path = os.path.join(tmp, "checkpoint.pt")
         if os.path.exists(path):
@@ -239,7 +248,7 @@ def one_run(fault: str, at_step: int, steps: int, timeout: float):  # long: star
                 checkpoint_ok = "model" in torch.load(path, weights_only=True)
             except Exception:   # noqa: BLE001 - a torn checkpoint is what this looks for
                 checkpoint_ok = False
-        steps_done = {s for _, s, _, _ in seen}
+        steps_done = {s for _, s, _, _, _ in seen}
         why_not = None
         if os.path.exists(os.path.join(tmp, "not_injected")):
             with open(os.path.join(tmp, "not_injected")) as f:
@@ -249,8 +258,9 @@ def one_run(fault: str, at_step: int, steps: int, timeout: float):  # long: star
             "not_injected_because": why_not,
             "completed": proc.returncode == 0 and steps_done >= set(range(steps)),
             "exit_status": proc.returncode,
-            "recovery_s": (after[0] - fault_at) if after else None,
-            "sizes": _phases([size for _, _, size, _ in seen]),
+            "recovery_s": (recovered[0] - fault_at) if recovered else None,
+            "generations": max((g for *_, g, _ in seen), default=0),
+            "sizes": _phases([size for _, _, size, _, _ in seen]),
             "step_ms_before": _median_gap(before[-20:]),
             "step_ms_after": _median_gap(after[5:25]) if len(after) > 10 else None,
             "checkpoint_loads": checkpoint_ok,
@@ -259,6 +269,17 @@ def one_run(fault: str, at_step: int, steps: int, timeout: float):  # long: star
             "errors": sorted({line.split("ERROR: ", 1)[1][:160] for line in output.splitlines()
                               if "ERROR: " in line})[:6],
         }
+
+
+def _step_starts(seen):
+    """When each step was first logged, by any worker, in time order (a step redone after a
+    restore counts again)."""
+    starts, last = [], None
+    for t, step, *_ in seen:
+        if step != last:
+            starts.append(t)
+            last = step
+    return starts
 
 
 def _phases(sizes):
