@@ -142,11 +142,13 @@ class Liveness:
             if now >= next_beat:
                 self._send_all(b"B\n")
                 next_beat = now + self.interval
-                self._check_silence(now)
+            self._check_silence(now)
             by_fd = {link.sock.fileno(): k for k, link in self._links.items()}
+            # awake at least four times a beat: silence is found within a quarter of one
+            wait = min(next_beat - time.monotonic(), self.interval / 4)
             try:
                 readable, _, _ = select.select(list(by_fd) + [self._wake_r], [], [],
-                                               max(0.0, next_beat - time.monotonic()))
+                                               max(0.0, wait))
             except (OSError, ValueError):   # a socket closed under us: close() is running
                 return
             for fd in readable:
