@@ -303,17 +303,20 @@ def plot(path: str, report):
         faults = [f for f in dict.fromkeys(r["fault"] for r in report["runs"]) if f != "none"]
         fig, ax = plt.subplots(figsize=(9, 4))
         for key, shift, colour in (("detection_s", -0.15, "tab:orange"),
-                                   ("recovery_s", 0.15, "tab:blue")):
+                                   ("recovery_s", 0.15, "tab:blue"),
+                                   ("ended_after_s", 0.15, "tab:red")):
             for i, fault in enumerate(faults):
                 ys = [r[key] for r in report["runs"] if r["fault"] == fault and r[key] is not None]
                 ax.scatter([i + shift] * len(ys), ys, color=colour, s=18,
-                           label=key.replace("_s", "") if i == 0 else None)
+                           label=key[:-2].replace("_", " ") if ys else None)
         ax.axhline(10, color="grey", linestyle=":", linewidth=1)
         ax.set_xticks(range(len(faults)), faults, rotation=20, fontsize=8)
         ax.set_ylabel("seconds after the fault")
         ax.set_title(f"faults in elastic training, {HOSTS} emulated hosts "
                      f"(commit {report['commit']}, {report['date']})", fontsize=9)
-        ax.legend(fontsize=8)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=8)
         fig.tight_layout()
         fig.savefig(path.rsplit(".", 1)[0] + ".png", dpi=110)
     _spawn.plot_if_possible(draw)

@@ -76,6 +76,7 @@ class Worker:
     rank: Optional[int] = None         # in the last generation it was part of
     leaving: bool = False              # its slot is no longer offered: out at the next forming
     conn: Optional[socket.socket] = None   # its join, waiting for the next generation
+    killed: bool = False               # by the driver: its peers reported it stopped
 
 
 @dataclass
@@ -296,8 +297,10 @@ class ElasticDriver:
         """Worker ``wid`` stopped answering its peers (hung, SIGSTOP): killed, so that it
         leaves like a dead one and the others form without it."""
         worker = next((w for w in self.workers if w.wid == wid), None)
-        if worker is None or worker.status != "running" or worker.proc.code is not None:
+        if (worker is None or worker.status != "running" or worker.proc.code is not None
+                or worker.killed):   # each survivor reports it: kill it once
             return
+        worker.killed = True
         self._say(f"worker {wid} (host {worker.host}) stopped answering its peers' heartbeats "
                   f"(reported by worker {reporter}): killing it")
         worker.proc.kill()
