@@ -198,8 +198,10 @@ def main(argv=None):
             opt.step()
             bar.update(step + 1, loss.item(), (step + 1) * args.batch_size * hvd.size())
         if args.checkpoint and hvd.rank() == 0:
+            # a temporary file renamed over the last checkpoint: a kill mid-save leaves that one
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "epoch": epoch + 1}, args.checkpoint)
+                        "epoch": epoch + 1}, args.checkpoint + ".part")
+            os.replace(args.checkpoint + ".part", args.checkpoint)
     return finish(model, vx, vy)
 
 
