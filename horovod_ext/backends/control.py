@@ -120,21 +120,22 @@ class ControlChannel:
     def abort(self):
         """End a wait in this channel at once (a peer has failed elsewhere, liveness.py): its
         sockets are shut down, so a blocked receive returns."""
-        for sock in list(self._peers.values()) + [self._coord]:
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        for sock in self._sockets():
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self):
-        for sock in list(self._peers.values()) + [self._coord]:
-            if sock is not None:
-                try:
-                    sock.close()
-                except OSError:
-                    pass
+        for sock in self._sockets():
+            try:
+                sock.close()
+            except OSError:
+                pass
         self._peers, self._coord = {}, None
+
+    def _sockets(self):
+        return [s for s in list(self._peers.values()) + [self._coord] if s is not None]
 
 
 def connect_star(comm: Communicator, timeout: float, iface: Optional[str],

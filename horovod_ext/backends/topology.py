@@ -165,12 +165,16 @@ class Topology:
         with ``reason`` (a peer has failed, liveness.py)."""
         if self._in_node is not None:
             self._in_node.abort(reason)
-        for comm in {id(c): c for c in (self.cross, self.local, self.world)}.values():
+        for comm in self._communicators():
             comm.abort(reason)
 
     def close(self):
         if self._in_node is not None:
             self._in_node.close()
             self._in_node = None
-        for comm in {id(c): c for c in (self.cross, self.local, self.world)}.values():
+        for comm in self._communicators():
             comm.close()
+
+    def _communicators(self):
+        """The cross, local and world communicators, each once (they may be one object)."""
+        return {id(c): c for c in (self.cross, self.local, self.world)}.values()

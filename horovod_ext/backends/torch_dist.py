@@ -79,13 +79,11 @@ class TorchCommunicator(Communicator):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
     def _call(self, collective, *args, group, **kwargs):
-        """``collective(*args, group=group, **kwargs)``; over Gloo, issued asynchronously and
-        waited for in slices, so that ``abort`` ends the wait."""
-        if group is self._cuda_group:
-            return collective(*args, group=group, **kwargs)
+        """``collective(*args, group=group, **kwargs)``, waited for by ``_wait``."""
         self._wait(collective(*args, group=group, async_op=True, **kwargs), group)
 
     def _wait(self, work, group):
+        """Over Gloo, in slices, so that ``abort`` ends the wait; NCCL's as it comes."""
         if group is self._cuda_group:
             return work.wait()
         while True:

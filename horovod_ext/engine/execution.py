@@ -107,11 +107,8 @@ class Executor:
         except CommunicationError:
             raise
         except Exception as exc:
-            error = HorovodInternalError(f"allreduce of {_names(members)} failed: {exc}")
-            if self.size > 1:
-                raise error from exc
-            for r in members:
-                r.handle._finish(error=error)
+            self._fail(members, HorovodInternalError(
+                f"allreduce of {_names(members)} failed: {exc}"), exc)
             return
         if first.lane_key is not None and len(members) == 1 and alone:
             self._keep_plan(first, tensors[0])
@@ -160,6 +157,14 @@ class Executor:
                     results.append(chunk if alone else chunk.clone())
             r.handle._finish(results)
 
+    def _fail(self, members: List[Request], error: HorovodInternalError, cause: Exception):
+        """An op or runner raised: with peers, which may wait mid-collective, the engine stops
+        (raised); alone, only ``members`` fail."""
+        if self.size > 1:
+            raise error from cause
+        for r in members:
+            r.handle._finish(error=error)
+
     # --- every other kind ---------------------------------------------------------------------
     def _run_single(self, r: Request, metas: Metas):
         try:
@@ -170,10 +175,7 @@ class Executor:
         except CommunicationError:
             raise
         except Exception as exc:
-            error = HorovodInternalError(f"{r.kind} of '{r.name}' failed: {exc}")
-            if self.size > 1:
-                raise error from exc
-            r.handle._finish(error=error)
+            self._fail([r], HorovodInternalError(f"{r.kind} of '{r.name}' failed: {exc}"), exc)
             return
         r.handle._finish([result])
 
