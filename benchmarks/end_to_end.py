@@ -5,7 +5,7 @@
     python benchmarks/end_to_end.py --settings loopback-2x1,lab-1gbit-2x1 --methods adam,onebit_adam
     python benchmarks/end_to_end.py --plot docs/end_to_end_run3.json   # redraw a report's plots
     python benchmarks/end_to_end.py --markdown docs/end_to_end_run1.json docs/end_to_end_run2.json \
-        docs/end_to_end_run3.json    # the tables of docs/results.md: medians and ranges of runs
+        docs/end_to_end_run3.json    # the tables of docs/choosing_an_op.md: medians and ranges of runs
 
 Model: the BERT-like encoder of ``_models.py`` ("base": hidden 512, 6 layers, vocabulary 16384,
 27.5 M parameters) with a masked-language-model loss on synthetic tokens, batch ``--batch`` per
@@ -236,7 +236,7 @@ def _spread(values, fmt, unit=""):
 
 
 def markdown(reports) -> str:
-    """The reports' tables as docs/results.md shows them, one per setting; with several reports
+    """The reports' tables as docs/choosing_an_op.md shows them, one per setting; with several reports
     (repeated runs of the same matrix) each cell is the median and the range of the runs."""
     if isinstance(reports, dict):
         reports = [reports]
@@ -393,7 +393,7 @@ def main():
     p.add_argument("--timeout", type=float, default=900, help="seconds per setting")
     p.add_argument("--plot", metavar="JSON", help="only draw the plots of an earlier report")
     p.add_argument("--markdown", metavar="JSON", nargs="+",
-                   help="only print earlier reports' tables in docs/results.md's format "
+                   help="only print earlier reports' tables in docs/choosing_an_op.md's format "
                         "(several: repeated runs, each cell the median and range)")
     args = p.parse_args()
     if args.worker:

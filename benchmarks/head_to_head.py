@@ -414,7 +414,7 @@ def print_tables(report):
 
 
 def markdown(report) -> str:
-    """The tables of docs/results.md: one per setting."""
+    """The tables of docs/choosing_an_op.md: one per setting."""
     lines = []
     for setting, rows in summary(report).items():
         table = table_rows(report, rows)

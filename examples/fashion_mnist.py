@@ -13,12 +13,11 @@ rank (Horovod's ``torch.cuda.set_device(hvd.local_rank())``) and trains there.
 import argparse
 import gzip
 import os
-import sys
-import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import horovod_ext.torch as hvd
 
@@ -71,28 +70,6 @@ class Net(torch.nn.Module):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-class Progress:
-    """A one-line progress bar on stderr (rank 0 only), redrawn at most ten times a second."""
-
-    def __init__(self, total, label, enabled):
-        self.total, self.label, self.enabled = total, label, enabled
-        self.start = self.last = time.monotonic()
-
-    def update(self, done, loss, samples):
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.1 and done < self.total):
-            return
-        self.last = now
-        width = 30
-        fill = int(width * done / self.total)
-        rate = samples / max(now - self.start, 1e-9)
-        sys.stderr.write(f"\r{self.label} [{'=' * fill}{' ' * (width - fill)}] "
-                         f"{100 * done / self.total:5.1f}% loss {loss:.4f} {rate:7.0f} samples/s")
-        if done >= self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 def evaluate(model, x, y, batch):
@@ -189,14 +166,18 @@ def main(argv=None):
     for epoch in range(start_epoch, args.epochs):
         order = torch.randperm(len(ty), generator=torch.Generator().manual_seed(args.seed + epoch))
         mine = order[hvd.rank() * per_rank:(hvd.rank() + 1) * per_rank]
-        bar = Progress(steps, f"epoch {epoch + 1}/{args.epochs}", hvd.rank() == 0)
+        samples = args.batch_size * hvd.size()  # per step, all ranks
+        bar = tqdm(total=steps * samples, desc=f"epoch {epoch + 1}/{args.epochs}",
+                   unit="sample", unit_scale=True, disable=hvd.rank() != 0, mininterval=0.5)
         for step in range(steps):
             idx = mine[step * args.batch_size:(step + 1) * args.batch_size]
             opt.zero_grad()
             loss = F.cross_entropy(model(tx[idx]), ty[idx])
             loss.backward()
             opt.step()
-            bar.update(step + 1, loss.item(), (step + 1) * args.batch_size * hvd.size())
+            bar.update(samples)
+            bar.set_postfix(loss=f"{loss.item():.4f}", refresh=False)
+        bar.close()
         if args.checkpoint and hvd.rank() == 0:
             # a temporary file renamed over the last checkpoint: a kill mid-save leaves that one
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(),

@@ -1,6 +1,8 @@
-"""The published figures come from data: every ratio and percentage in docs/results.md's headline
-table is a value (as printed, rounded) of a JSON file that its row names, and docs/scale.md's
-tables are what the scale benchmarks print from the JSON files the page names."""
+"""The published figures come from data: every ratio and percentage in docs/choosing_an_op.md's
+table against the papers is a value (as printed, rounded) of a JSON file that its row names, the
+page's time-to-target tables are what benchmarks/choosing.py prints from the head-to-head data,
+and docs/scale.md's tables are what the scale benchmarks print from the JSON files the page
+names."""
 import json
 import os
 import re
@@ -41,16 +43,16 @@ def _data_values(paths):
 
 
 def _headline_figures():
-    with open(os.path.join(DOCS, "results.md")) as f:
+    with open(os.path.join(DOCS, "choosing_an_op.md")) as f:
         text = f.read()
-    table = text.split("## Headlines")[1].split("\n\n")[1]
+    table = text.split("## Against the papers")[1].split("\n\n")[2]
     rows = [line for line in table.splitlines() if line.startswith("|")][2:]
     assert rows, "no headline table found"
     figures = []
     for row in rows:
         cells = row.split("|")
         claim, measured, where = cells[1].strip(), cells[2], cells[3]
-        sources = re.findall(r"docs/[\w/.-]+\.json", where)
+        sources = ["docs/" + path for path in re.findall(r"\]\(([\w/.-]+\.json)\)", where)]
         assert sources, f"the headline row {claim!r} names no data file"
         for low, high, unit in FIGURE.findall(measured):
             for number in (low, high):
@@ -75,6 +77,17 @@ def test_every_headline_figure_is_in_the_data():
     missing = [(number + unit, claim, sources) for number, unit, claim, sources in figures
                if not any(_matches(number, unit, v) for v in _data_values(sources))]
     assert not missing, f"headline figures with no value behind them in their data: {missing}"
+
+
+def test_the_choosing_page_shows_what_its_script_prints():
+    with open(os.path.join(DOCS, "choosing_an_op.md")) as f:
+        page = f.read()
+    printed = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "choosing.py")],
+                             capture_output=True, text=True, check=True, timeout=50).stdout
+    lines = [line for line in printed.splitlines() if line.strip()]
+    assert len(lines) > 30
+    missing = [line for line in lines if line not in page]
+    assert not missing, f"docs/choosing_an_op.md lacks what choosing.py prints: {missing[:3]}"
 
 
 @pytest.mark.parametrize("script,data", [("scale_validation.py", "docs/scale/validation.json"),

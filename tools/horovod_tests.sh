@@ -48,3 +48,16 @@ for file in test_torch test_adasum_pytorch; do
     echo "$(basename "$log"): $(tail -n 1 "$log")"
   done
 done
+# HVD_TESTS_RECORD=FILE keeps a record of the run (docs/conformance/ holds the published ones):
+# what ran, on which commit and when, rank 0's result for every test, and every rank's summary.
+if [ -n "${HVD_TESTS_RECORD:-}" ]; then
+  {
+    echo "# tools/horovod_tests.sh HOROVOD_CHECKOUT $backend $np $mode"
+    echo "# horovod_ext $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet HEAD -- horovod_ext || echo +changes), Horovod $(cat "$horovod/COMMIT" 2>/dev/null || git -C "$horovod" rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%Y-%m-%d), $("$bin/python" -c 'import torch; print("torch", torch.__version__)')"
+    for file in test_torch test_adasum_pytorch; do
+      grep -E '::.* (PASSED|FAILED|SKIPPED|ERROR)' "$out/rank0.$file.log" | sed -E 's/ +\[ *[0-9]+%\]$//'
+      grep -E '^(FAILED|ERROR) ' "$out/rank0.$file.log" || true
+      for log in "$out"/rank*."$file".log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
+    done
+  } > "$HVD_TESTS_RECORD"
+fi

@@ -23,6 +23,10 @@ from .registry import register_op
 
 
 class AdasumOp(Op):
+    """``hvd.Adasum``: the adaptive summation of Maleki et al. (2021).  Parallel gradients are
+    averaged, orthogonal ones added, so the learning rate tuned for one process keeps working as
+    processes are added.  With an optimizer it combines the local steps (delta mode).  Any rank
+    count; hierarchical inside a node when HOROVOD_HIERARCHICAL_ALLREDUCE=1."""
     name = "adasum"
     floating_point_only = True
 

@@ -18,6 +18,11 @@ from .registry import register_op
 
 
 class OneBitOp(Op):
+    """``hvd.OneBit``: the 1-bit compressed allreduce of 1-bit Adam (Tang et al., 2021): each
+    tensor is sent as its signs and one scale (32x fewer bytes than float32), with the
+    compression error fed back into the next call on both the worker and the server side.
+    Meant for momentum or other smooth quantities; ``hvd.OnebitAdam`` and ``hvd.OnebitLamb`` use
+    it after their warm-up."""
     name = "onebit"
     floating_point_only = True
     # Errors are kept per request: requests must never share a fusion buffer.

@@ -34,6 +34,7 @@ def get_op(op: Union[str, Op]) -> Op:
 
 
 def registered_ops() -> Dict[str, Op]:
+    """Every op ``op=`` accepts, by name (built-in and ``register_op``-ed)."""
     return dict(_REGISTRY)
 
 

@@ -233,7 +233,7 @@ def recommend(rows: Sequence[StepPrediction], compute_s: float) -> str:
             f"({exact.step_s * 1e3:.1f} ms): the links are the bottleneck "
             f"(it sends {best.sent_per_rank / 1e6:.1f} MB per step against "
             f"{exact.sent_per_rank / 1e6:.1f} MB); check its accuracy on your model "
-            f"(docs/results.md)")
+            f"(docs/choosing_an_op.md)")
 
 
 def plan(cluster: Cluster, model_bytes: float, compute_s: float,

@@ -40,7 +40,6 @@ from .diloco import DiLoCo
 from . import elastic
 from .elastic import HostsUpdatedInterrupt
 
-is_initialized = _runtime.is_initialized
 
 
 def init(comm=None, process_sets=None):
@@ -59,6 +58,11 @@ def init(comm=None, process_sets=None):
     _process_sets.start(process_sets)
 
 
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return _runtime.is_initialized()
+
+
 def shutdown():
     """Stop every engine; pending requests that cannot complete fail with an error."""
     _process_sets.forget()
@@ -66,34 +70,46 @@ def shutdown():
 
 
 def rank() -> int:
+    """This process's rank in the job, 0 to ``size() - 1`` (HOROVOD_RANK under hvdrun,
+    OMPI_COMM_WORLD_RANK under mpirun, RANK under torchrun)."""
     return _runtime.topology().rank
 
 
 def size() -> int:
+    """The number of processes in the job."""
     return _runtime.topology().size
 
 
 def local_rank() -> int:
+    """This process's rank among the processes on its host: the GPU to pin it to,
+    ``torch.cuda.set_device(hvd.local_rank())``."""
     return _runtime.topology().local_rank
 
 
 def local_size() -> int:
+    """The number of processes on this process's host."""
     return _runtime.topology().local_size
 
 
 def cross_rank() -> int:
+    """The index of this process's host among the hosts (the rank of its group of
+    same-``local_rank`` processes across hosts)."""
     return _runtime.topology().cross_rank
 
 
 def cross_size() -> int:
+    """The number of hosts that run a process with this ``local_rank``."""
     return _runtime.topology().cross_size
 
 
 def is_homogeneous() -> bool:
+    """True when every host runs the same number of processes (the hierarchical
+    allreduce needs it)."""
     return _runtime.topology().is_homogeneous
 
 
 def mpi_built() -> bool:
+    """True when mpi4py is installed, so ``mpirun`` can start a job over MPI."""
     try:
         import mpi4py  # noqa: F401
         return True
@@ -102,20 +118,24 @@ def mpi_built() -> bool:
 
 
 def gloo_built() -> bool:
+    """True when this torch build has torch.distributed's Gloo backend."""
     import torch.distributed as dist
     return dist.is_available() and dist.is_gloo_available()
 
 
 def nccl_built() -> bool:
+    """True when this torch build has NCCL (CUDA builds), used for CUDA tensors."""
     import torch.distributed as dist
     return dist.is_available() and dist.is_nccl_available()
 
 
 def cuda_built() -> bool:
+    """True when torch was built with CUDA."""
     return _torch.backends.cuda.is_built()
 
 
 def rocm_built() -> bool:
+    """True when torch was built with ROCm."""
     return getattr(_torch.version, "hip", None) is not None
 
 
@@ -130,14 +150,19 @@ def ddl_built() -> bool:
 
 
 def mpi_enabled() -> bool:
+    """True when this job's collectives run over MPI (started under ``mpirun``)."""
     return _runtime.state.transport == "mpi"
 
 
 def gloo_enabled() -> bool:
+    """True when this job's collectives run over torch.distributed (Gloo, or NCCL
+    for CUDA tensors)."""
     return _runtime.state.transport == "gloo"
 
 
 def mpi_threads_supported() -> bool:
+    """True when running over MPI with ``MPI_THREAD_MULTIPLE``, so other threads may
+    call MPI alongside horovod_ext."""
     if not mpi_enabled():
         return False
     from mpi4py import MPI

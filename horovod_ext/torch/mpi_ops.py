@@ -52,6 +52,10 @@ def _allreduce_request(tensors, name, op, average, prescale_factor, postscale_fa
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """Start an allreduce of ``tensor`` over the ranks of ``process_set``; returns a handle
+    whose ``synchronize`` gives a new tensor with the result.  ``op``: a registry op
+    (default Average); ``average`` is Horovod's older spelling (True: Average, False: Sum).
+    The result is ``postscale_factor * reduce(prescale_factor * tensor)``."""
     req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
                              "allreduce", False, process_set)
     return _submit(req, _first, _wake, process_set)
@@ -60,6 +64,8 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """In-place ``allreduce_async``: ``synchronize`` writes the result into ``tensor``
+    and returns it."""
     req = _allreduce_request([tensor], name, op, average, prescale_factor, postscale_factor,
                              "allreduce", True, process_set)
     return _submit(req, _first, _wake, process_set)
@@ -111,6 +117,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """Start one fused allreduce of every tensor in ``tensors`` (same dtype and
+    device); ``synchronize`` returns the list of new result tensors."""
     req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
                              postscale_factor, "grouped_allreduce", False, process_set)
     return _submit(req, list, _wake, process_set)
@@ -119,6 +127,8 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """In-place ``grouped_allreduce_async``: the results are written into
+    ``tensors``."""
     req = _allreduce_request(list(tensors), name, op, average, prescale_factor,
                              postscale_factor, "grouped_allreduce", True, process_set)
     return _submit(req, list, _wake, process_set)
@@ -137,6 +147,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                        postscale_factor=1.0, process_set=global_process_set):
+    """In-place ``grouped_allreduce``: waits, writes the results into ``tensors``
+    and returns them."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set, _wake=False))
 
@@ -144,6 +156,8 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 # --- allgather, broadcast, alltoall, reducescatter -----------------------------------------------
 def allgather_async(tensor, name=None, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """Start an allgather of ``tensor`` (first dimensions may differ between ranks);
+    ``synchronize`` returns the concatenation along dim 0 in rank order."""
     _check_process_set(process_set)
     _check_tensor(tensor, "allgather")
     return _submit(Request(_name("allgather", name, process_set), "allgather", [tensor.detach()]),
@@ -185,12 +199,16 @@ def _broadcast_request(tensor, root_rank, name, inplace, process_set):
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """Start a broadcast of ``root_rank``'s ``tensor``; ``synchronize`` returns a new
+    tensor holding it on every rank."""
     return _submit(_broadcast_request(tensor, root_rank, name, False, process_set), _first,
                    _wake, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """In-place ``broadcast_async``: ``synchronize`` writes ``root_rank``'s values
+    into ``tensor`` on every rank."""
     return _submit(_broadcast_request(tensor, root_rank, name, True, process_set), _first,
                    _wake, process_set)
 
@@ -200,6 +218,8 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> t
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
+    """In-place broadcast: waits and writes ``root_rank``'s values into ``tensor``;
+    returns it."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set, _wake=False))
 
 
@@ -255,6 +275,8 @@ def _reducescatter_request(tensor, name, op, prescale_factor, postscale_factor, 
 def reducescatter_async(tensor, name=None, op=Average, prescale_factor=1.0,
                         postscale_factor=1.0, process_set=global_process_set, *,
         _wake=True) -> Handle:
+    """Start a reducescatter; ``synchronize`` returns this rank's block of dim 0
+    of the reduction (earlier ranks get the extra rows)."""
     return _submit(_reducescatter_request(tensor, name, op, prescale_factor, postscale_factor,
                                           process_set), _first, _wake, process_set)
 
@@ -316,6 +338,7 @@ def join(device=-1) -> int:
 
 
 def barrier(process_set=global_process_set):
+    """Wait until every rank of ``process_set`` has reached this call."""
     _check_process_set(process_set)
     synchronize(_submit(Request(_name("barrier", None, process_set), "barrier", []),
                         wake=False, process_set=process_set))
