@@ -329,6 +329,33 @@ def write_report(path: str, report) -> None:
     print(f"\nwrote {path}")
 
 
+def start_beside_ddp():
+    """In a worker: torch.distributed's default Gloo group for DDP, on the port the launch put
+    in BENCH_DDP_PORT (the job's own, so DDP keeps it while horovod_ext is shut down), then
+    ``hvd.init()`` and as many threads as the host has cores per local rank.  Returns hvd."""
+    import torch
+    import torch.distributed as dist
+    import horovod_ext.torch as hvd
+    rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=size,
+                            init_method=f"tcp://{os.environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
+                                        f"{os.environ['BENCH_DDP_PORT']}")
+    hvd.init()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    return hvd
+
+
+def finish_beside_ddp(hvd, results, path: str) -> None:
+    """Rank 0 writes ``results`` to ``path`` (JSON); both runtimes shut down."""
+    import json
+    import torch.distributed as dist
+    if hvd.rank() == 0:
+        with open(path, "w") as f:
+            json.dump(results, f)
+    hvd.shutdown()
+    dist.destroy_process_group()
+
+
 def time_model_syncs(hvd, opt, count: int) -> Dict[str, float]:
     """SLAMB's model sync (``opt.average_parameters()``) ``count`` times in a row, inside a
     worker: its median time in seconds and the bytes it sends per sync."""

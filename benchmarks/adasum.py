@@ -8,7 +8,14 @@ each call).  They are timed in blocks of back-to-back calls that start together 
 (outside the timing), as allreduce.py does, taking turns block by block so that drift on a
 shared machine hits both alike; the refill's own time, measured the same way, is subtracted.
 The table gives the medians over blocks and the ratio Adasum / Sum.  JSON goes to ``--out``.
+
+The "as called" columns time calls the way a training script makes them: a barrier, then one
+call under a name never used before (so no response cache or steady-state lane helps either op),
+alone.  Blocks of 15 such calls of each op take turns (``--user-blocks``, default 3); the
+median call of each block, and the median of those, is reported.
 """
+import itertools
+import time
 import os
 import statistics
 import sys
@@ -47,7 +54,12 @@ def worker(args):
         calls, blocks = hvd.broadcast_object((calls, blocks), root_rank=0)  # the same everywhere
         samples = _spawn.interleaved_blocks(methods, calls, blocks, hvd.barrier)
         refill = statistics.median(samples.pop("refill"))
+        as_called = _as_called(hvd, ops, buf, gradient, args.user_blocks)
         rows.append({"size": size, "calls": calls, "blocks": blocks,
+                     **{f"{op}_called_us": statistics.median(ts) * 1e6
+                        for op, ts in as_called.items()},
+                     **{f"{op}_called_us_blocks": [t * 1e6 for t in ts]
+                        for op, ts in as_called.items()},
                      **{f"{op}_us": (statistics.median(ts) - refill) * 1e6
                         for op, ts in samples.items()},
                      **{f"{op}_us_min_max": [(min(ts) - refill) * 1e6, (max(ts) - refill) * 1e6]
@@ -59,11 +71,33 @@ def worker(args):
     hvd.shutdown()
 
 
+_FRESH = itertools.count()
+
+
+def _as_called(hvd, ops, buf, gradient, blocks, calls=15):
+    """{op: [median call time of each block]}: each call after a barrier, under a new name."""
+    out = {op: [] for op in ops}
+    for block in range(blocks):
+        for op in (list(ops) if block % 2 == 0 else list(reversed(list(ops)))):
+            times = []
+            for _ in range(calls):
+                buf.copy_(gradient)
+                hvd.barrier()
+                t0 = time.perf_counter()
+                hvd.allreduce_(buf, op=ops[op], name=f"called.{op}.{next(_FRESH)}")
+                times.append(time.perf_counter() - t0)
+            # the slowest rank's median is what the job waits for
+            out[op].append(max(hvd.allgather_object(statistics.median(times))))
+    return out
+
+
 def main():
     p = _spawn.parser(__doc__, "adasum.json", SIZES)
     p.add_argument("--nps", default="2,4")
     p.add_argument("--backends", default="mpi,gloo")
     p.add_argument("--seconds", type=float, default=1.5, help="time budget per size")
+    p.add_argument("--user-blocks", type=int, default=3,
+                   help="blocks of 15 calls as a script makes them (barrier, new name)")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -71,8 +105,8 @@ def main():
         args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
     report = {"runs": []}
     print("medians in microseconds; ratio = Adasum / Sum (hvd.allreduce_, float32, in place)")
-    print(f"{'transport':<9} {'np':>3} {'size':>9} {'sum':>10} {'adasum':>10} {'ratio':>7}",
-          flush=True)
+    print(f"{'transport':<9} {'np':>3} {'size':>9} {'sum':>10} {'adasum':>10} {'ratio':>7} "
+          f"{'sum called':>11} {'adasum called':>14} {'ratio':>7}", flush=True)
     for np in [int(x) for x in args.nps.split(",")]:
         for kind in args.backends.split(","):
             argv = [os.path.abspath(__file__), "--worker", "--seconds", str(args.seconds),
@@ -80,8 +114,10 @@ def main():
             rows = _spawn.run_collect(kind, argv, np)["rows"]
             for r in rows:
                 r["ratio"] = r["adasum_us"] / r["sum_us"]
+                r["called_ratio"] = r["adasum_called_us"] / r["sum_called_us"]
                 print(f"{kind:<9} {np:>3} {_spawn.human(r['size']):>9} {r['sum_us']:>10.1f} "
-                      f"{r['adasum_us']:>10.1f} {r['ratio']:>7.2f}", flush=True)
+                      f"{r['adasum_us']:>10.1f} {r['ratio']:>7.2f} {r['sum_called_us']:>11.1f} "
+                      f"{r['adasum_called_us']:>14.1f} {r['called_ratio']:>7.2f}", flush=True)
             report["runs"].append({"transport": kind, "np": np, "rows": rows})
     _spawn.write_report(args.out, report)
 

@@ -14,7 +14,6 @@ process group that horovod_ext shares), taking turns in rounds, so machine drift
 Prints a table (samples/s over all ranks, ratios, and scaling efficiency against np=1) and
 writes JSON.
 """
-import json
 import os
 import statistics
 import sys
@@ -57,15 +56,9 @@ def build(kind):
 def worker(args):
     import torch
     import torch.distributed as dist
-    import horovod_ext.torch as hvd
 
-    # The process group is the job's own, so that DDP keeps it while horovod_ext is shut down.
-    rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=size,
-                            init_method=f"tcp://{os.environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
-                                        f"{os.environ['BENCH_DDP_PORT']}")
-    hvd.init()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    hvd = _spawn.start_beside_ddp()
+    size = hvd.size()
     results = {}
     for kind in args.models:
         gen = torch.Generator().manual_seed(hvd.rank())
@@ -110,11 +103,7 @@ def worker(args):
         dist.all_gather_object(every, {n: statistics.median(ts) for n, ts in times.items()})
         results[kind] = {name: max(r[name] for r in every) for name in runners}
         results[kind]["params"] = sum(p.numel() for p in model.parameters())
-    if rank == 0:
-        with open(args.result, "w") as f:
-            json.dump(results, f)
-    hvd.shutdown()
-    dist.destroy_process_group()
+    _spawn.finish_beside_ddp(hvd, results, args.result)
 
 
 def main():

@@ -54,6 +54,7 @@ class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # bytes; 0 disables fusion
     fusion_max_tensor_bytes: int = 1024 * 1024  # larger requests are reduced on their own
     gradient_bucket_bytes: int = 25 * 1024 * 1024  # DistributedOptimizer buckets; 0: none
+    first_bucket_bytes: int = 0                  # the bucket of backward's first gradients; 0: as others
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -96,6 +97,8 @@ class Config:
             gradient_bucket_bytes=_get(env, "HOROVOD_GRADIENT_BUCKET_BYTES",
                                        cls.gradient_bucket_bytes, int, non_negative,
                                        "a non-negative number of bytes"),
+            first_bucket_bytes=_get(env, "HOROVOD_FIRST_BUCKET_BYTES", cls.first_bucket_bytes,
+                                    int, non_negative, "a non-negative number of bytes"),
             cycle_time_ms=_get(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms, float, non_negative,
                                "a non-negative number of milliseconds"),
             cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,

@@ -131,7 +131,7 @@ def test_bayesian_search_finds_the_best_region_of_a_known_surface():
         calls = 1 if s.gradient_bucket_bytes >= (1 << 20) else (3 if s.fusion_threshold else 6)
         return 1.0 / (0.02 + cycle_cost + 0.001 * calls + (0.0 if s.cache else 0.0005))
 
-    start = Setting(0, 20.0, 0, True, False, False)
+    start = Setting(0, 20.0, 0, 0, True, False, False)
     space = Space(False, start)
     optimum = max(score(space.setting(x)) for x in space.random(np.random.default_rng(1), 20000))
     proposer = BayesianProposer(space, noise=0.8, seed=0)
@@ -146,14 +146,14 @@ def test_bayesian_search_finds_the_best_region_of_a_known_surface():
 
 def test_settings_travel_as_tensors_and_points():
     from horovod_ext.engine.autotune import Setting, Space
-    s = Setting(1 << 20, 2.5, 1 << 22, False, True, False)
+    s = Setting(1 << 20, 2.5, 1 << 22, 1 << 18, False, True, False)
     assert Setting.from_tensor(s.to_tensor(True)) == (s, True)
     space = Space(True, s)
     back = space.setting(space.point(s))
     assert back.cache is False and back.hierarchical_allreduce is True
     assert abs(math.log2(back.fusion_threshold) - 20) < 0.01
     assert abs(back.cycle_time_ms - 2.5) < 0.01
-    assert space.setting(space.point(Setting(0, 1.0, 0, True, False, False))).fusion_threshold == 0
+    assert space.setting(space.point(Setting(0, 1.0, 0, 0, True, False, False))).fusion_threshold == 0
 
 
 def test_bad_autotune_variables_are_named():

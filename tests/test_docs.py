@@ -114,3 +114,127 @@ def test_the_scale_validation_meets_its_bar():
     errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in report["rows"]]
     assert summary["median_abs_error"] == pytest.approx(statistics.median(errors), abs=1e-12)
     assert summary["median_abs_error"] <= 0.15
+
+
+# --- every page's tables ---------------------------------------------------------------------
+PRINTED = {  # pages whose tables a benchmark prints from their data: the page holds every line
+    "benchmarks/head_to_head.md": [
+        ["head_to_head.py", "--markdown", f"docs/{name}.json"]
+        for name in ("head_to_head_cnn", "head_to_head_lm", "head_to_head_lm_2x2",
+                     "head_to_head_cnn_powersgd_2x2")],
+    "benchmarks/end_to_end.md": [
+        ["end_to_end.py", "--markdown"] + [f"docs/end_to_end_run{i}.json" for i in (1, 2, 3)]],
+}
+CELL_NUMBER = re.compile(r"(?<![\w.])[-+]?\d+(?:\.\d+)?")
+# units a page prints in: percent, ms and us of seconds, MB and MiB of bytes, and so on
+UNIT_SCALES = (1.0, 100.0, 1e3, 1e6, 1e-3, 1e-6, 1e-9, 2.0 ** -20, 2.0 ** -30)
+
+
+@pytest.mark.parametrize("page", sorted(PRINTED))
+def test_printed_tables_are_on_their_page(page):
+    with open(os.path.join(DOCS, page)) as f:
+        text = f.read()
+    for script, *argv in PRINTED[page]:
+        printed = subprocess.run(
+            [sys.executable, os.path.join(REPO, "benchmarks", script)] +
+            [os.path.join(REPO, a) if a.startswith("docs/") else a for a in argv],
+            capture_output=True, text=True, check=True, timeout=50).stdout
+        lines = [line for line in printed.splitlines() if line.strip()]
+        assert len(lines) > 10
+        missing = [line for line in lines if line not in text]
+        assert not missing, f"docs/{page} lacks what {script} prints: {missing[:3]}"
+
+
+def _page_data(page, text):
+    """The JSON files a page names, by link or by path."""
+    found = set()
+    for name in set(re.findall(r"[\w/.-]+\.json", text)):
+        for base in (os.path.dirname(os.path.join(DOCS, page)), DOCS, REPO):
+            path = os.path.normpath(os.path.join(base, name.lstrip("/")))
+            if os.path.exists(path):
+                found.add(path)
+                break
+    return found
+
+
+def _table_numbers(text):
+    """Every number in a table's cells after the first column (the first names the row)."""
+    rows = [line for line in text.splitlines()
+            if line.startswith("|") and not set(line) <= set("|-: ")]
+    out = []
+    for line in rows:
+        for cell in line.split("|")[2:]:
+            out += [n.lstrip("+") for n in CELL_NUMBER.findall(cell)]
+    return out
+
+
+def _explained(number: str, values, pairs) -> bool:
+    """``number`` as printed is a value of the data in some unit, or its inverse, or (``pairs``)
+    the ratio or difference of two values (speedups, points against a baseline)."""
+    import numpy as np
+    decimals = len(number.split(".")[1]) if "." in number else 0
+    target, tol = float(number), 10 ** -decimals / 2 + 1e-9
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for scale in UNIT_SCALES:
+            for candidates in (values * scale, scale / values):
+                if np.any(np.abs(np.round(candidates, decimals) - target) < tol):
+                    return True
+        if pairs:
+            for scale in (1.0, 100.0):
+                ratios = np.divide.outer(values, values) * scale
+                diffs = np.subtract.outer(values, values) * scale
+                if np.any(np.abs(np.round(ratios, decimals) - target) < tol) or np.any(
+                        np.abs(np.round(diffs, decimals) - target) < tol):
+                    return True
+    return False
+
+
+TABLE_PAGES = sorted(os.path.relpath(os.path.join(root, name), DOCS)
+                     for root, _, names in os.walk(DOCS) for name in names
+                     if name.endswith(".md")) + ["../README.md"]
+
+
+@pytest.mark.parametrize("page", TABLE_PAGES)
+def test_every_table_figure_is_in_its_data(page):
+    """Each number in a page's tables is a value of the data files the page names (in the unit
+    printed), or a ratio or difference of two of them; pages whose tables a script prints are
+    checked line by line above."""
+    import numpy as np
+    with open(os.path.join(DOCS, page)) as f:
+        text = f.read()
+    data = _page_data(page, text)
+    numbers = _table_numbers(text)
+    if page in PRINTED or not data or not numbers:
+        assert page in PRINTED or not data or not numbers
+        return
+    values = []
+    for path in data:
+        with open(path) as f:
+            _numbers(json.load(f), values)
+    values = np.array(sorted(set(v for v in values if v == v)), dtype=float)
+    pairs = len(values) <= 3000
+    unexplained = sorted({n for n in numbers if not _explained(n, values, pairs)})
+    assert not unexplained, (f"docs/{page}: table figures found in none of "
+                             f"{sorted(os.path.relpath(p, REPO) for p in data)}: {unexplained}")
+
+
+def test_the_horovod_suite_counts_are_its_records():
+    """docs/conformance.md's counts are what the records next to it hold."""
+    with open(os.path.join(DOCS, "conformance.md")) as f:
+        page = f.read()
+    rows = [line.split("|")[1:-1] for line in page.splitlines()
+            if line.startswith("| ") and ".log" in line]
+    assert len(rows) >= 5
+    for backend, ranks, passed, failed, skipped, not_run, record in rows:
+        path = re.search(r"\]\(([^)]+\.log)\)", record).group(1)
+        first = {}   # a test's result; an error at its teardown comes after it
+        with open(os.path.join(DOCS, path)) as f:
+            for line in f:
+                if line.startswith("test_") and "::" in line:
+                    name, result = line.split()[:2]
+                    first.setdefault(name, result)
+        results = list(first.values())
+        counts = [results.count(k) for k in ("PASSED", "FAILED", "SKIPPED")]
+        counts.append(119 - len(results))
+        printed = [int(c) for c in (passed, failed, skipped, not_run)]
+        assert printed == counts, f"{backend.strip()} {ranks.strip()}: page {printed}, record {counts}"

@@ -142,3 +142,44 @@ def test_op_failing_on_one_rank_ends_an_mpi_job_at_once():
         in failure.output, failure.output
     assert "aborting the job" in failure.output
     assert time.monotonic() - start < 30
+
+
+class _Work:
+    """A Gloo work's waiting surface, scripted: ``slices`` waits run out before the call ends;
+    ``finish_in_gap`` makes it end between a slice running out and the check that follows, the
+    race a long call over a slow link meets at some slice; ``error`` makes the call fail."""
+
+    def __init__(self, slices, finish_in_gap=False, error=None):
+        self.slices, self.finish_in_gap, self.error, self.done = slices, finish_in_gap, error, False
+
+    def wait(self, timeout=None):
+        if timeout is not None and self.slices > 0:
+            self.slices -= 1
+            if self.slices == 0 and self.finish_in_gap:
+                self.done = True
+            raise RuntimeError("Operation timed out!")
+        self.done = True
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def is_completed(self):
+        return self.done or (self.slices == 0 and self.error is not None)
+
+
+@pytest.mark.timeout(10)
+def test_a_call_that_outlasts_its_wait_slices_succeeds():
+    """Waiting in slices (so that an abort is seen at once) never turns a call that succeeds
+    into an error, however its end falls against the slices; a call that fails raises its own
+    error, and an abort ends the wait."""
+    from horovod_ext.backends.base import CommunicationError
+    from horovod_ext.backends.torch_dist import TorchCommunicator
+    comm = TorchCommunicator.__new__(TorchCommunicator)   # only its waiting is exercised
+    comm._aborted, comm._cuda_group, comm.rank = None, None, 0
+    for work in (_Work(0), _Work(3), _Work(3, finish_in_gap=True)):
+        comm._wait(work, group=object())
+        assert work.done
+    with pytest.raises(RuntimeError, match="peer closed"):
+        comm._wait(_Work(2, error="peer closed"), group=object())
+    comm._aborted = "rank 1 has died"
+    with pytest.raises(CommunicationError, match="rank 1 has died"):
+        comm._wait(_Work(5), group=object())

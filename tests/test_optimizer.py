@@ -183,6 +183,26 @@ def test_bucket_plan():
     assert b.views[id(params[3])].data_ptr() == b.flat.data_ptr() + 3 * 8
 
 
+def test_first_bucket_cap():
+    """The first bucket (backward's first gradients: the last parameters) holds at most
+    ``first_cap`` bytes, the others ``cap``; 0 leaves the first as the others."""
+    from horovod_ext.torch.buckets import partition
+    params = [torch.zeros(n) for n in (40, 40, 10, 10, 10)]   # 160, 160, 40, 40, 40 bytes
+    sizes = lambda groups: [[p.numel() for p in g] for g in groups]  # noqa: E731
+    assert sizes(partition(params, cap=1000)) == [[10, 10, 10, 40, 40]]
+    assert sizes(partition(params, cap=1000, first_cap=80)) == [[10, 10], [10, 40, 40]]
+    assert sizes(partition(params, cap=1000, first_cap=0)) == [[10, 10, 10, 40, 40]]
+    # a first tensor bigger than the first cap is a bucket of its own
+    assert sizes(partition(params[:2], cap=400, first_cap=100)) == [[40], [40]]
+
+
+@pytest.mark.timeout(180)
+def test_small_first_bucket():
+    """HOROVOD_FIRST_BUCKET_BYTES gives the same results as the reference."""
+    env = {"HOROVOD_FIRST_BUCKET_BYTES": "64"}
+    assert run_ranks(body_cases, 2, "gloo", env=env) == ["ok"] * 2
+
+
 def test_bucket_adopts_whatever_gradient_it_finds():
     """None -> zeros, a foreign tensor -> copied in, a sparse one -> densified or refused;
     afterwards .grad is the bucket's slice."""

@@ -13,7 +13,7 @@
 # /tmp/horovod-tests-BACKEND-NP); the last lines print every rank's summary.  A test that hangs
 # is stopped by pytest-timeout after $HVD_TESTS_TIMEOUT seconds (default 120).
 set -euo pipefail
-horovod=${1:?usage: tools/horovod_tests.sh HOROVOD_CHECKOUT mpi|gloo NP}
+horovod=$(cd "${1:?usage: tools/horovod_tests.sh HOROVOD_CHECKOUT mpi|gloo NP}" && pwd)
 backend=${2:?usage: tools/horovod_tests.sh HOROVOD_CHECKOUT mpi|gloo NP}
 np=${3:?usage: tools/horovod_tests.sh HOROVOD_CHECKOUT mpi|gloo NP}
 mode=${4:-rewrite}
@@ -38,7 +38,7 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONPATH="$repo"
 rank='${OMPI_COMM_WORLD_RANK:-${HOROVOD_RANK:-0}}'
 for file in test_torch test_adasum_pytorch; do
-  cmd="exec $bin/python -m pytest -v -p no:cacheprovider --timeout=${HVD_TESTS_TIMEOUT:-120} $file.py > $out/rank$rank.$file.log 2>&1"
+  cmd="exec $bin/python -m pytest -v -rfEs -p no:cacheprovider --timeout=${HVD_TESTS_TIMEOUT:-120} $file.py > $out/rank$rank.$file.log 2>&1"
   if [ "$backend" = mpi ]; then
     "$bin/mpirun" -np "$np" --oversubscribe --bind-to none bash -c "$cmd" || true
   else
@@ -56,7 +56,7 @@ if [ -n "${HVD_TESTS_RECORD:-}" ]; then
     echo "# horovod_ext $(git -C "$repo" rev-parse --short HEAD)$(git -C "$repo" diff --quiet HEAD -- horovod_ext || echo +changes), Horovod $(cat "$horovod/COMMIT" 2>/dev/null || git -C "$horovod" rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%Y-%m-%d), $("$bin/python" -c 'import torch; print("torch", torch.__version__)')"
     for file in test_torch test_adasum_pytorch; do
       grep -E '::.* (PASSED|FAILED|SKIPPED|ERROR)' "$out/rank0.$file.log" | sed -E 's/ +\[ *[0-9]+%\]$//'
-      grep -E '^(FAILED|ERROR) ' "$out/rank0.$file.log" || true
+      grep -E '^(FAILED|ERROR|SKIPPED) ' "$out/rank0.$file.log" || true
       for log in "$out"/rank*."$file".log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
     done
   } > "$HVD_TESTS_RECORD"

@@ -93,9 +93,11 @@ class TorchCommunicator(Communicator):
                 work.wait(timeout=_WAIT_SLICE)
                 return
             except RuntimeError:
-                if work.is_completed():   # the call itself failed: its own error
+                # The slice ran out, or the call failed; a call that completes between the two
+                # checks is done: its own wait raises its error, if it has one.
+                if work.is_completed():
                     work.wait()
-                    raise
+                    return
 
     def _nccl_for(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and self._cuda_group is not None

@@ -31,6 +31,7 @@ log = logging.getLogger("horovod_ext")
 # Ranges searched (log scale for sizes and times; the lowest 5% of a size's range means "off").
 FUSION_RANGE = (16, 27)        # log2 bytes: 64 KiB .. 128 MiB
 BUCKET_RANGE = (16, 26)        # log2 bytes: 64 KiB .. 64 MiB
+FIRST_BUCKET_RANGE = (14, 24)  # log2 bytes: 16 KiB .. 16 MiB
 CYCLE_RANGE_MS = (0.1, 25.0)
 OFF_BELOW = 0.05
 CANDIDATES = 2000              # random candidates scored by expected improvement per proposal
@@ -41,6 +42,7 @@ class Setting:
     fusion_threshold: int
     cycle_time_ms: float
     gradient_bucket_bytes: int
+    first_bucket_bytes: int
     cache: bool
     hierarchical_allreduce: bool
     hierarchical_allgather: bool
@@ -50,14 +52,20 @@ class Setting:
                             dtype=torch.float64)
 
     @classmethod
+    def empty_tensor(cls) -> torch.Tensor:
+        """What ``to_tensor`` fills: a receive buffer of its size."""
+        return torch.zeros(len(fields(cls)) + 1, dtype=torch.float64)
+
+    @classmethod
     def from_tensor(cls, t: torch.Tensor):
         v = t.tolist()
-        return cls(int(v[0]), v[1], int(v[2]), bool(v[3]), bool(v[4]), bool(v[5])), bool(v[6])
+        return (cls(int(v[0]), v[1], int(v[2]), int(v[3]), bool(v[4]), bool(v[5]), bool(v[6])),
+                bool(v[7]))
 
     @classmethod
     def of(cls, config, comms) -> "Setting":
         return cls(config.fusion_threshold, config.cycle_time_ms, config.gradient_bucket_bytes,
-                   config.cache_capacity > 0, comms.hierarchical_allreduce,
+                   config.first_bucket_bytes, config.cache_capacity > 0, comms.hierarchical_allreduce,
                    comms.hierarchical_allgather)
 
 
@@ -74,12 +82,12 @@ def _unsize(v: int, lo: int, hi: int) -> float:
 
 
 class Space:
-    """Settings as points of [0, 1]^d (d = 4, or 6 where hierarchy applies)."""
+    """Settings as points of [0, 1]^d (d = 5, or 7 where hierarchy applies)."""
 
     def __init__(self, hierarchy: bool, start: Setting):
         self.hierarchy = hierarchy
         self.start = start
-        self.dims = 6 if hierarchy else 4
+        self.dims = 7 if hierarchy else 5
 
     def setting(self, x) -> Setting:
         lo, hi = CYCLE_RANGE_MS
@@ -87,24 +95,26 @@ class Space:
             fusion_threshold=_size(x[0], *FUSION_RANGE),
             cycle_time_ms=round(lo * (hi / lo) ** float(x[1]), 3),
             gradient_bucket_bytes=_size(x[2], *BUCKET_RANGE),
-            cache=bool(x[3] >= 0.5),
-            hierarchical_allreduce=bool(x[4] >= 0.5) if self.hierarchy
+            first_bucket_bytes=_size(x[3], *FIRST_BUCKET_RANGE),
+            cache=bool(x[4] >= 0.5),
+            hierarchical_allreduce=bool(x[5] >= 0.5) if self.hierarchy
             else self.start.hierarchical_allreduce,
-            hierarchical_allgather=bool(x[5] >= 0.5) if self.hierarchy
+            hierarchical_allgather=bool(x[6] >= 0.5) if self.hierarchy
             else self.start.hierarchical_allgather)
 
     def point(self, s: Setting) -> np.ndarray:
         lo, hi = CYCLE_RANGE_MS
         cycle = min(max(s.cycle_time_ms, lo), hi)
         x = [_unsize(s.fusion_threshold, *FUSION_RANGE), math.log(cycle / lo) / math.log(hi / lo),
-             _unsize(s.gradient_bucket_bytes, *BUCKET_RANGE), float(s.cache)]
+             _unsize(s.gradient_bucket_bytes, *BUCKET_RANGE),
+             _unsize(s.first_bucket_bytes, *FIRST_BUCKET_RANGE), float(s.cache)]
         if self.hierarchy:
             x += [float(s.hierarchical_allreduce), float(s.hierarchical_allgather)]
         return np.array(x)
 
     def random(self, rng: np.random.Generator, n: int) -> np.ndarray:
         x = rng.random((n, self.dims))
-        x[:, 3:] = np.round(x[:, 3:])   # on/off dimensions take their two values only
+        x[:, 4:] = np.round(x[:, 4:])   # on/off dimensions take their two values only
         return x
 
 
@@ -219,6 +229,7 @@ def apply(setting: Setting, engine, state) -> None:
     config = replace(old, fusion_threshold=setting.fusion_threshold,
                      cycle_time_ms=setting.cycle_time_ms,
                      gradient_bucket_bytes=setting.gradient_bucket_bytes,
+                     first_bucket_bytes=setting.first_bucket_bytes,
                      cache_capacity=capacity,
                      hierarchical_allreduce=setting.hierarchical_allreduce,
                      hierarchical_allgather=setting.hierarchical_allgather)

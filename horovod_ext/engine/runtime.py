@@ -203,7 +203,7 @@ def autotune_step(nbytes: int):
 
     def exchange(topology):
         t = (proposal[0].to_tensor(proposal[1]) if proposal is not None
-             else torch.zeros(7, dtype=torch.float64))
+             else autotune.Setting.empty_tensor())
         topology.world.broadcast(t, 0)
         setting, frozen = autotune.Setting.from_tensor(t)
         autotune.apply(setting, world_engine, state)

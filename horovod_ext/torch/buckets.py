@@ -63,21 +63,23 @@ class Bucket:
         self.flat.zero_()
 
 
-def plan(params: Sequence[torch.Tensor], cap: int) -> List[Bucket]:
+def plan(params: Sequence[torch.Tensor], cap: int, first_cap: int = 0) -> List[Bucket]:
     """Buckets of at most ``cap`` bytes (a bigger tensor alone) over ``params`` in reverse
-    order, split where dtype or device changes."""
-    return [Bucket(i, members) for i, members in enumerate(partition(params, cap))]
+    order, split where dtype or device changes; the first at most ``first_cap`` when set."""
+    return [Bucket(i, members) for i, members in enumerate(partition(params, cap, first_cap))]
 
 
-def partition(params: Sequence[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:
+def partition(params: Sequence[torch.Tensor], cap: int,
+              first_cap: int = 0) -> List[List[torch.Tensor]]:
     """The parameters of each bucket ``plan`` makes, without allocating them."""
     groups: List[List[torch.Tensor]] = []
     current: List[torch.Tensor] = []
     used = 0
     for p in reversed(list(params)):
         nbytes = p.numel() * p.element_size()
+        limit = min(cap, first_cap) if first_cap and not groups else cap
         if current and ((p.dtype, p.device) != (current[0].dtype, current[0].device)
-                        or used + nbytes > cap):
+                        or used + nbytes > limit):
             groups.append(current)
             current, used = [], 0
         current.append(p)

@@ -91,7 +91,9 @@ class _DistributedMixin:
         if runtime.state.autotuner is None:
             return
         runtime.autotune_step(self._hvd.layout.step_bytes)
-        if reduction.bucket_cap() != self._hvd.plan.bucket_cap:
+        plan = self._hvd.plan
+        if (reduction.bucket_cap(), reduction.first_bucket_cap()) != (plan.bucket_cap,
+                                                                      plan.first_bucket_cap):
             reduction.replan(self._hvd)
 
     def _hvd_hook(self, p):

@@ -17,13 +17,19 @@ from .state import Layout, OptimizerState, Plan, Progress, Settings
 
 __all__ = ["AloneReducer", "BucketReducer", "DeltaReducer", "GradientReducer", "GroupReducer",
            "Layout", "OptimizerState", "OutsideSetReducer", "PerTensorReducer", "Plan",
-           "Progress", "Reducer", "Settings", "bucket_cap", "is_alone", "new_state", "replan"]
+           "Progress", "Reducer", "Settings", "bucket_cap", "first_bucket_cap", "is_alone",
+           "new_state", "replan"]
 
 
 def bucket_cap() -> int:
     """The configured gradient bucket size in bytes (0: no buckets)."""
     config = runtime.state.config or Config.from_env()
     return min(config.fusion_threshold, config.gradient_bucket_bytes)
+
+
+def first_bucket_cap() -> int:
+    """The configured size of the first bucket, backward's first gradients (0: as the rest)."""
+    return (runtime.state.config or Config.from_env()).first_bucket_bytes
 
 
 def is_alone(settings: Settings) -> bool:
@@ -51,7 +57,8 @@ def replan(state: OptimizerState) -> None:
     """Choose the reducer for the current world and bucket size; it starts with nothing in
     flight."""
     alone, cap = is_alone(state.settings), bucket_cap()
-    state.plan = Plan(reducer=_choose(state, alone, cap), alone=alone, bucket_cap=cap)
+    state.plan = Plan(reducer=_choose(state, alone, cap), alone=alone, bucket_cap=cap,
+                      first_bucket_cap=first_bucket_cap())
 
 
 def _choose(state: OptimizerState, alone: bool, cap: int) -> Reducer:
@@ -79,4 +86,4 @@ def _plan_buckets(state: OptimizerState, cap: int) -> List[_buckets.Bucket]:
     if (settings.explicit_groups or not settings.op.elementwise or cap == 0 or not params
             or not _buckets.eligible(params)):
         return []
-    return _buckets.plan(params, cap)
+    return _buckets.plan(params, cap, first_bucket_cap())

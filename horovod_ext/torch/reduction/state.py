@@ -100,6 +100,7 @@ class Plan:
     reducer: "Reducer"
     alone: bool                    # one process and an elementwise op: nothing to reduce
     bucket_cap: int                # bytes per gradient bucket, 0: none
+    first_bucket_cap: int = 0      # bytes in backward's first bucket, 0: as the others
 
 
 @dataclass

@@ -1,0 +1,187 @@
+"""The exact average against DistributedDataParallel: step time, same model, data and ranks.
+
+    python benchmarks/ddp_parity.py                          # loopback, 2 hosts x 1 and x 2
+    python benchmarks/ddp_parity.py --lab                    # also 1 Gbit/s and 100 Mbit/s (root)
+    python benchmarks/ddp_parity.py --variants default,first1m=HOROVOD_FIRST_BUCKET_BYTES:1048576
+    python benchmarks/ddp_parity.py --markdown FILE.json     # the tables of an earlier report
+
+What a DDP user measures first: ``hvd.DistributedOptimizer(Adam, op=hvd.Average)`` next to
+``DistributedDataParallel`` (its defaults: 25 MB buckets and a 1 MB first bucket) in the same
+ranks, taking turns, ``--reps`` rounds.  In each round each method runs ``--steps`` steps (Adam,
+random data, ``--batch`` samples per rank) and its step time is the median of the last
+``--timed`` steps on the slowest rank.  Models: ``mlp`` (784-1024-1024-10, 1.86 M parameters),
+``cnn`` (examples/fashion_mnist.py's CNN, 0.22 M) and ``transformer`` (``_models.CharLM``,
+0.44 M).  Every variant of ours (``--variants``: ``label=VAR:value+VAR:value``, or ``default``
+for no variables) starts its own ranks with DDP beside it, so each ratio compares methods of one
+run.  Prints a table per setting and writes JSON.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _spawn  # noqa: E402  (benchmarks/ is not a package; also fixes sys.path for the packages)
+sys.path.insert(0, HERE)
+import _models  # noqa: E402
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+
+SETTINGS = {  # name: (rate or None for loopback, ranks per host)
+    "loopback-2x1": (None, 1), "loopback-2x2": (None, 2), "lab-1gbit-2x1": ("1gbit", 1),
+    "lab-1gbit-2x2": ("1gbit", 2), "lab-100mbit-2x1": ("100mbit", 1),
+    "lab-100mbit-2x2": ("100mbit", 2)}
+
+
+def build(kind, batch):
+    """A model and its loss on a fixed batch of random data: ``loss(model)``."""
+    import torch
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "transformer":
+        chunk = torch.randint(0, 256, (batch, _models.CharLM.CONTEXT + 1), generator=g)
+        return _models.CharLM(), lambda m: _models.lm_loss(m, chunk)
+    labels = torch.randint(0, 10, (batch,), generator=g)
+    if kind == "mlp":
+        model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 10))
+        x = torch.randn(batch, 784, generator=g)
+    else:
+        sys.path.insert(0, os.path.join(_spawn.REPO, "examples"))
+        from fashion_mnist import Net
+        model, x = Net(), torch.randn(batch, 1, 28, 28, generator=g)
+    return model, lambda m: F.cross_entropy(m(x), labels)
+
+
+def step_times(model, opt, loss, steps):
+    """Per-step wall times of ``steps`` training steps."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss(model).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    hvd = _spawn.start_beside_ddp()
+    size = hvd.size()
+    results = {}
+    for kind in args.models:
+        base, loss = build(kind, args.batch)
+        ddp = torch.nn.parallel.DistributedDataParallel(base)
+        ours, _ = build(kind, args.batch)
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-4),
+                                       named_parameters=ours.named_parameters(), op=hvd.Average)
+        runners = {"ddp": (ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4)), "hvd": (ours, opt)}
+        medians = {name: [] for name in runners}
+        for rep in range(args.reps):
+            order = list(runners) if rep % 2 == 0 else list(reversed(list(runners)))
+            for name in order:
+                dist.barrier()
+                times = step_times(*runners[name], loss, args.steps)
+                medians[name].append(statistics.median(times[-args.timed:]))
+        every = [None] * size
+        dist.all_gather_object(every, medians)
+        # the slowest rank sets the pace
+        results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.reps)]
+                         for name in runners}
+        results[kind]["params"] = sum(p.numel() for p in ours.parameters())
+    _spawn.finish_beside_ddp(hvd, results, args.result)
+
+
+def _cell(values, scale=1e3, fmt=".1f"):
+    text = format(statistics.median(values) * scale, fmt)
+    return text + f" ({format(min(values) * scale, fmt)}-{format(max(values) * scale, fmt)})"
+
+
+def markdown(report) -> str:
+    """One table per setting: each model and variant's step times and their ratio per round."""
+    out = []
+    for setting, variants in report["settings"].items():
+        out += [f"**{setting}** (step ms, median (min-max) of {report['reps']} rounds)", "",
+                "| model | variant | ddp ms | hvd ms | hvd / ddp |", "|---|---|---|---|---|"]
+        for variant, models in variants.items():
+            for kind, row in models.items():
+                ratios = [h / d for h, d in zip(row["hvd"], row["ddp"])]
+                out.append(f"| {kind} | {variant} | {_cell(row['ddp'])} | {_cell(row['hvd'])} | "
+                           f"{_cell(ratios, 1.0, '.3f')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+VARIANT_ENV = {"default": {}}
+
+
+def _variant(spec: str) -> str:
+    """``label=VAR:value+VAR:value`` (or a bare label known already): remember its variables,
+    return its label."""
+    label, _, assignments = spec.partition("=")
+    if assignments:
+        VARIANT_ENV[label] = dict(a.split(":", 1) for a in assignments.split("+"))
+    if label not in VARIANT_ENV:
+        raise SystemExit(f"--variants: {label!r} has no variables (label=VAR:value)")
+    return label
+
+
+def run(args, setting, variant):
+    rate, per_node = SETTINGS[setting]
+    np = 2 * per_node
+    env = {"BENCH_DDP_PORT": str(_spawn.free_port())}
+    env.update(VARIANT_ENV[variant])
+    argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
+            "--batch", str(args.batch), "--steps", str(args.steps), "--timed", str(args.timed),
+            "--reps", str(args.reps)]
+    if rate:
+        # the lab's hosts reach each other at 10.200.0.x; DDP's store listens on rank 0's
+        return _spawn.run_collect("gloo", argv, np, env=env, timeout=args.timeout,
+                                  hosts=[f"nl-{i // per_node}" for i in range(np)])
+    return _spawn.run_collect("gloo", argv, np, env=env, timeout=args.timeout,
+                              hostnames=[f"node{i // per_node}" for i in range(np)])
+
+
+def main():
+    p = _spawn.parser(__doc__, "ddp_parity.json")
+    p.add_argument("--lab", action="store_true", help="also the lab's 1 Gbit/s and 100 Mbit/s")
+    p.add_argument("--settings", help=f"of {', '.join(SETTINGS)}")
+    p.add_argument("--models", default="mlp,cnn,transformer")
+    p.add_argument("--variants", default="default",
+                   help="label=VAR:value+VAR:value, comma separated ('default': no variables)")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--timed", type=int, default=20, help="the last steps of each turn timed")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's tables")
+    args = p.parse_args()
+    args.models = args.models.split(",") if isinstance(args.models, str) else args.models
+    if args.worker:
+        return worker(args)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return
+    if args.quick:
+        args.steps, args.timed, args.reps = 8, 5, 2
+    names = (args.settings.split(",") if args.settings else
+             [s for s in SETTINGS if args.lab or s.startswith("loopback")])
+    variants = [_variant(v) for v in args.variants.split(",")]
+    report = {"variants": {v: VARIANT_ENV[v] for v in variants}, "models": args.models, "batch_per_rank": args.batch, "steps": args.steps,
+              "timed": args.timed, "reps": args.reps, "settings": {}}
+    for setting in _spawn.by_link_rate(names, lambda n: SETTINGS[n][0]):
+        report["settings"][setting] = {v: run(args, setting, v) for v in variants}
+        print(markdown({"reps": args.reps,
+                        "settings": {setting: report["settings"][setting]}}), flush=True)
+        _spawn.write_report(args.out, report)   # after every setting: a failure keeps the rest
+
+
+if __name__ == "__main__":
+    main()
