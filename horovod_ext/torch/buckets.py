@@ -10,9 +10,9 @@ one per tensor (each call has a fixed latency, whatever its size).
 Buckets follow the reverse of the parameter order, the order backward produces gradients in, and
 hold up to HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
 HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
-as in Horovod).  There is no small first bucket as DDP has: a separate reduction for the last
-layers, run by this engine's Python thread while backward computes, competes with backward for
-the CPU cores, and where they are few it costs more than it saves.  A ``.grad`` that is not the
+as in Horovod).  HOROVOD_FIRST_BUCKET_BYTES caps the first bucket, backward's first gradients,
+as DDP's 1 MiB first bucket does; it is off by default because a separate early reduction
+competes with backward for the CPU cores and measured no faster (benchmarks/ddp_parity.py).  A ``.grad`` that is not the
 bucket's slice when it is ready (after ``zero_grad(set_to_none=True)``, the default, a user's
 assignment, ``create_graph`` backward) is copied in and the slice takes its place.  The default
 zero_grad relies on that on purpose: one copy of autograd's fresh gradient costs less than
