@@ -444,7 +444,7 @@ def test_readme_example_and_check_build(tools):
     accuracy = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines()
                 if line.startswith("[0]<stdout>:test accuracy: ")]
     assert len(accuracy) == 1 and accuracy[0] > 0.5, out
-    assert "[0]<stderr>:epoch 1/1 [" in err  # the progress bar, prefixed
+    assert "[0]<stderr>:epoch 1/1: 100%" in err, err  # the progress bar, prefixed
     rc, out, err = hvdrun(["--check-build"])
     assert rc == 0, err
     for line in ("Available Controllers:", "    [X] MPI", "    [X] Gloo", "    [ ] NCCL",
