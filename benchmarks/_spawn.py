@@ -199,6 +199,27 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
         os.unlink(result)
 
 
+# Two hosts, on loopback (ranks posing as hosts) or in the lab at a rate, with 1 or 2 ranks each:
+# the settings of the benchmarks that train across hosts.  name: (where, rate, ranks per host)
+LINK_SETTINGS = {
+    "loopback-2x1": ("loopback", None, 1), "loopback-2x2": ("loopback", None, 2),
+    "lab-1gbit-2x1": ("lab", "1gbit", 1), "lab-1gbit-2x2": ("lab", "1gbit", 2),
+    "lab-100mbit-2x1": ("lab", "100mbit", 1), "lab-100mbit-2x2": ("lab", "100mbit", 2)}
+
+
+def run_on(setting: str, argv: Sequence[str], env: Optional[Dict[str, str]] = None,
+           timeout: float = 1200):
+    """``run_collect`` of a Gloo worker on the two hosts of ``setting`` (LINK_SETTINGS): the
+    running lab's, or loopback ranks grouped into pretend hosts."""
+    where, _, per_node = LINK_SETTINGS[setting]
+    np = 2 * per_node
+    if where == "lab":
+        return run_collect("gloo", argv, np, env=env, timeout=timeout,
+                           hosts=[f"nl-{i // per_node}" for i in range(np)])
+    return run_collect("gloo", argv, np, env=env, timeout=timeout,
+                       hostnames=[f"node{i // per_node}" for i in range(np)])
+
+
 def per_call(fn, calls, barrier, gap_s=0.0):
     """Seconds per call over ``calls`` calls started together on every rank; with ``gap_s``,
     each call follows that much busy work (not counted), as a training step computes between

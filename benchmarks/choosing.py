@@ -57,10 +57,10 @@ def penalty_rows(report):
         cells = []
         for link, _ in LINKS[1:]:
             t, hit, reps = times[_setting(report, link)][method]
-            cell = f"{t / base:.2f}x" if t is not None else "not reached"
-            cells.append(cell if hit == reps or t is None else f"{cell} ({hit}/{reps})")
-            if t is None and hit < reps:
-                cells[-1] = f"not reached (0/{reps})"
+            if not hit:
+                cells.append(f"not reached (0/{reps})")
+            else:
+                cells.append(f"{t / base:.2f}x" + ("" if hit == reps else f" ({hit}/{reps})"))
         rows.append((method, cells))
     return rows
 

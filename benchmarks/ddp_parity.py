@@ -28,10 +28,7 @@ sys.path.insert(0, HERE)
 import _models  # noqa: E402
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
-SETTINGS = {  # name: (rate or None for loopback, ranks per host)
-    "loopback-2x1": (None, 1), "loopback-2x2": (None, 2), "lab-1gbit-2x1": ("1gbit", 1),
-    "lab-1gbit-2x2": ("1gbit", 2), "lab-100mbit-2x1": ("100mbit", 1),
-    "lab-100mbit-2x2": ("100mbit", 2)}
+SETTINGS = _spawn.LINK_SETTINGS
 
 
 def build(kind, batch):
@@ -133,19 +130,11 @@ def _variant(spec: str) -> str:
 
 
 def run(args, setting, variant):
-    rate, per_node = SETTINGS[setting]
-    np = 2 * per_node
-    env = {"BENCH_DDP_PORT": str(_spawn.free_port())}
-    env.update(VARIANT_ENV[variant])
+    env = {"BENCH_DDP_PORT": str(_spawn.free_port()), **VARIANT_ENV[variant]}
     argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
             "--batch", str(args.batch), "--steps", str(args.steps), "--timed", str(args.timed),
             "--reps", str(args.reps)]
-    if rate:
-        # the lab's hosts reach each other at 10.200.0.x; DDP's store listens on rank 0's
-        return _spawn.run_collect("gloo", argv, np, env=env, timeout=args.timeout,
-                                  hosts=[f"nl-{i // per_node}" for i in range(np)])
-    return _spawn.run_collect("gloo", argv, np, env=env, timeout=args.timeout,
-                              hostnames=[f"node{i // per_node}" for i in range(np)])
+    return _spawn.run_on(setting, argv, env, args.timeout)
 
 
 def main():
@@ -172,11 +161,11 @@ def main():
     if args.quick:
         args.steps, args.timed, args.reps = 8, 5, 2
     names = (args.settings.split(",") if args.settings else
-             [s for s in SETTINGS if args.lab or s.startswith("loopback")])
+             [s for s, (where, _, _) in SETTINGS.items() if args.lab or where == "loopback"])
     variants = [_variant(v) for v in args.variants.split(",")]
     report = {"variants": {v: VARIANT_ENV[v] for v in variants}, "models": args.models, "batch_per_rank": args.batch, "steps": args.steps,
               "timed": args.timed, "reps": args.reps, "settings": {}}
-    for setting in _spawn.by_link_rate(names, lambda n: SETTINGS[n][0]):
+    for setting in _spawn.by_link_rate(names, lambda n: SETTINGS[n][1]):
         report["settings"][setting] = {v: run(args, setting, v) for v in variants}
         print(markdown({"reps": args.reps,
                         "settings": {setting: report["settings"][setting]}}), flush=True)

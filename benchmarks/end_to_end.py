@@ -57,10 +57,7 @@ FAMILY = {"adam": "compute_adam", "adasum": "compute_adam", "onebit_adam_warmup"
           "onebit_adam": "compute_adam", "lamb": "compute_lamb",
           "onebit_lamb_warmup": "compute_lamb", "onebit_lamb": "compute_lamb",
           "slamb": "compute_lamb"}
-SETTINGS = {  # name: (where, rate, ranks per node)
-    "loopback-2x1": ("loopback", None, 1), "loopback-2x2": ("loopback", None, 2),
-    "lab-1gbit-2x1": ("lab", "1gbit", 1), "lab-1gbit-2x2": ("lab", "1gbit", 2),
-    "lab-100mbit-2x1": ("lab", "100mbit", 1), "lab-100mbit-2x2": ("lab", "100mbit", 2)}
+SETTINGS = _spawn.LINK_SETTINGS
 QUICK_SETTINGS = "loopback-2x1,lab-1gbit-2x1"
 LR = {"adam": 1e-4, "lamb": 1e-3}
 
@@ -367,14 +364,8 @@ def plot(report, stem):
 
 
 def run_setting(name, argv, args):
-    where, rate, per_node = SETTINGS[name]
-    np = 2 * per_node
-    env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"} if per_node > 1 else {}
-    hosts = [f"nl-{i // per_node}" for i in range(np)]
-    if where == "lab":
-        return _spawn.run_collect("gloo", argv, np, env=env, hosts=hosts, timeout=args.timeout)
-    return _spawn.run_collect("gloo", argv, np, env=env, timeout=args.timeout,
-                              hostnames=[f"node{i // per_node}" for i in range(np)])
+    env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"} if SETTINGS[name][2] > 1 else {}
+    return _spawn.run_on(name, argv, env, args.timeout)
 
 
 def main():

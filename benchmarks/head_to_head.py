@@ -64,10 +64,7 @@ METHODS = ["ddp", "ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_local_s
            "adasum", "onebit_adam", "onebit_lamb", "slamb", "powersgd_r1", "powersgd_r4",
            "diloco_h10", "diloco_h50", "diloco_h50_onebit"]
 QUICK_METHODS = ["ddp", "ddp_powersgd_r1", "average", "powersgd_r1", "diloco_h10"]
-SETTINGS = {  # name: (where, rate, ranks per node)
-    "loopback-2x1": ("loopback", None, 1), "lab-1gbit-2x1": ("lab", "1gbit", 1),
-    "lab-100mbit-2x1": ("lab", "100mbit", 1), "loopback-2x2": ("loopback", None, 2),
-    "lab-1gbit-2x2": ("lab", "1gbit", 2), "lab-100mbit-2x2": ("lab", "100mbit", 2)}
+SETTINGS = _spawn.LINK_SETTINGS
 WORKLOADS = {  # name: default steps, global batch, target, Adam's lr, quality, higher is better
     "cnn": dict(steps=450, global_batch=128, target=0.85, adam_lr=2e-3, quality="test accuracy",
                 higher=True),
@@ -535,15 +532,10 @@ def plot(report, stem):
 
 
 def run_setting(name, argv, args):
-    where, rate, per_node = SETTINGS[name]
-    np = 2 * per_node
+    where, _, per_node = SETTINGS[name]
     env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"} if per_node > 1 else {}
-    if where == "lab":
-        return _spawn.run_collect("gloo", argv + ["--count-nic"], np, env=env,
-                                  timeout=args.timeout,
-                                  hosts=[f"nl-{i // per_node}" for i in range(np)])
-    return _spawn.run_collect("gloo", argv, np, env=env, timeout=args.timeout,
-                              hostnames=[f"node{i // per_node}" for i in range(np)])
+    return _spawn.run_on(name, argv + (["--count-nic"] if where == "lab" else []), env,
+                         args.timeout)
 
 
 def main():

@@ -207,8 +207,7 @@ def test_every_table_figure_is_in_its_data(page):
     data = _page_data(page, text)
     numbers = _table_numbers(text)
     if page in PRINTED or not data or not numbers:
-        assert page in PRINTED or not data or not numbers
-        return
+        return   # checked line by line above, or no data named, or no table
     values = []
     for path in data:
         with open(path) as f:
