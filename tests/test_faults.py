@@ -183,3 +183,54 @@ def test_a_call_that_outlasts_its_wait_slices_succeeds():
     comm._aborted = "rank 1 has died"
     with pytest.raises(CommunicationError, match="rank 1 has died"):
         comm._wait(_Work(5), group=object())
+
+
+def body_long_exchange_under_short_slices(marker):
+    """A send/receive of 16 MiB each way while the wait slice is 1 ms (every exchange outlasts
+    many slices), then an exchange whose peer never sends, ended by an abort from a thread;
+    rank 1 stays up (its exit would end the receive) until rank 0 writes ``marker``."""
+    import datetime
+    import threading
+    import horovod_ext.backends.torch_dist as torch_dist
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    torch_dist._WAIT_SLICE = datetime.timedelta(milliseconds=1)
+    world, me = runtime.state.comms.world, hvd.rank()
+    peer = 1 - me
+    sent = torch.arange(4 << 20, dtype=torch.float32) * (me + 1)
+    got = torch.empty_like(sent)
+    for _ in range(3):
+        world.sendrecv(sent, peer, got, peer)
+    exchanged = torch.equal(got, torch.arange(4 << 20, dtype=torch.float32) * (peer + 1))
+    hvd.barrier()
+    error, took = None, None
+    if me == 0:   # rank 1 never sends: only the abort ends this wait
+        threading.Timer(0.5, world.abort, ("rank 1 stopped answering",)).start()
+        start = time.monotonic()
+        try:
+            world.sendrecv(None, None, got[:4], peer)
+        except Exception as exc:   # noqa: BLE001  (the type is asserted by the test)
+            error = f"{type(exc).__name__}: {exc}"
+        took = time.monotonic() - start
+        with open(marker, "w") as f:
+            f.write("done")
+    else:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return exchanged, error, took
+
+
+@pytest.mark.timeout(60)
+def test_send_receive_outlasting_wait_slices_succeeds_and_abort_ends_it(tmp_path):
+    """Over Gloo a send/receive cannot be waited for in slices (a wait that runs out closes the
+    pair, and the exchange then fails after the group's timeout): three 16 MiB exchanges under
+    1 ms slices arrive whole, and an abort still ends a receive whose peer never sends within
+    a second of it."""
+    results = run_ranks(body_long_exchange_under_short_slices, 2, "gloo",
+                        env={"HOROVOD_COMM_TIMEOUT_SECONDS": "30"},
+                        args=(str(tmp_path / "rank0_done"),), timeout=50)
+    assert [exchanged for exchanged, _, _ in results] == [True, True]
+    _, error, took = results[0]
+    assert error is not None and "rank 1 stopped answering" in error, error
+    assert took < 1.5, f"the abort ended the wait after {took:.1f} s"

@@ -9,13 +9,17 @@ same GPU (``devices``), so that such a layout fails at once, saying what to chan
 
 Gloo calls are issued asynchronously and waited for in slices: a thread blocked in one, waiting
 for a peer that has failed elsewhere, is released by ``abort`` (faults, liveness.py) at once
-rather than at the group's timeout.  Gloo cannot cancel the call itself, and destroying a group
+rather than at the group's timeout.  A send or receive cannot be waited for in slices: a wait
+that runs out ends it (Gloo closes the pair), so a long exchange would fail; its works are
+waited for whole by a helper thread (``_PointToPointWaiter``) while the caller waits in slices.  Gloo cannot cancel the call itself, and destroying a group
 whose call still waits blocks until that timeout (its destructor joins the waiting thread), so an
 aborted group is kept, unused, for the life of the process; the next ``hvd.init()`` makes new
 ones, and the process's exit closes the old one's sockets.
 """
 import ctypes
 import datetime
+import queue
+import threading
 from typing import Sequence
 
 import torch
@@ -47,6 +51,37 @@ def _wrap_errors(fn):
     return wrapper
 
 
+class _PointToPointWaiter:
+    """A daemon thread that waits for send/receive works whole, one batch at a time; the
+    caller waits for the batch's event in slices, so that an abort still ends its wait at once
+    (the thread then stays blocked until the group's timeout, in a group that is abandoned)."""
+
+    def __init__(self):
+        self._batches = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="horovod_ext-p2p-wait", daemon=True).start()
+
+    def _serve(self):
+        while True:
+            works, done, errors = self._batches.get()
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                errors.append(exc)
+            done.set()
+
+    def wait(self, works, aborted):
+        """Wait for every work; raise the first one's error, or ``aborted()``'s (a callable
+        that raises when the communicator has been aborted) as soon as it raises."""
+        done, errors = threading.Event(), []
+        self._batches.put((works, done, errors))
+        slice_s = _WAIT_SLICE.total_seconds()
+        while not done.wait(slice_s):
+            aborted()
+        if errors:
+            raise errors[0]
+
+
 class TorchCommunicator(Communicator):
     """Ranks ``global_ranks`` of the default torch.distributed world."""
 
@@ -61,6 +96,7 @@ class TorchCommunicator(Communicator):
         self._owns_groups = False
         self._gpu_error = None  # None: not checked yet; "": every rank has a GPU of its own
         self._aborted = None    # why waits end at once: a peer has failed (abort)
+        self._p2p_waiter = None  # made at the first send/receive over Gloo
 
     @classmethod
     def world(cls, use_nccl: bool, timeout: datetime.timedelta) -> "TorchCommunicator":
@@ -87,8 +123,7 @@ class TorchCommunicator(Communicator):
         if group is self._cuda_group:
             return work.wait()
         while True:
-            if self._aborted is not None:
-                raise CommunicationError(f"abandoned on rank {self.rank}: {self._aborted}")
+            self._raise_if_aborted()
             try:
                 work.wait(timeout=_WAIT_SLICE)
                 return
@@ -98,6 +133,23 @@ class TorchCommunicator(Communicator):
                 if work.is_completed():
                     work.wait()
                     return
+
+    def _raise_if_aborted(self):
+        if self._aborted is not None:
+            raise CommunicationError(f"abandoned on rank {self.rank}: {self._aborted}")
+
+    def _wait_point_to_point(self, works):
+        """[(send/receive work, its group)]: Gloo's whole (see _PointToPointWaiter), NCCL's as
+        they come."""
+        gloo = [work for work, group in works if group is not self._cuda_group]
+        for work, group in works:
+            if group is self._cuda_group:
+                work.wait()
+        if gloo:
+            self._raise_if_aborted()
+            if self._p2p_waiter is None:
+                self._p2p_waiter = _PointToPointWaiter()
+            self._p2p_waiter.wait(gloo, self._raise_if_aborted)
 
     def _nccl_for(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and self._cuda_group is not None
@@ -221,8 +273,7 @@ class TorchCommunicator(Communicator):
             return self.sendrecv(carry(send), dst, carry(recv), src)
         # The receive is posted first: over Gloo, when both peers post their send first, the two
         # directions take turns, which doubles the time of a large exchange on a slow link.
-        works = []
-        staged = None
+        works, staged = [], None
         if recv is not None:
             group, staged, orig = self._group_for(recv, collective=False, fill=False)
             works.append((dist.irecv(staged, self.global_ranks[src], group=group), group))
@@ -230,8 +281,7 @@ class TorchCommunicator(Communicator):
             group, t, _ = self._group_for(send, collective=False)
             works.append((dist.isend(t.contiguous(), self.global_ranks[dst], group=group),
                           group))
-        for w, group in works:
-            self._wait(w, group)
+        self._wait_point_to_point(works)
         if recv is not None and staged is not recv:
             recv.copy_(staged)
 
