@@ -103,7 +103,9 @@ def _rvh_every_count():
     import horovod_ext.torch as hvd
     from horovod_ext.backends import context
     import horovod_ext.algorithms.adasum.rvh as rvh_module
-    from horovod_ext.algorithms.adasum import adasum_allreduce_, operator
+    from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_, layer_map
+    from horovod_ext.algorithms.adasum import operator
+    from horovod_ext.backends.shm import SharedMemoryGroup
     from tests.test_adasum import layers_for
     r, n = hvd.rank(), hvd.size()
     out = {}
@@ -122,6 +124,8 @@ def _rvh_every_count():
                 off += t.numel()
             rvh = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0)
             gathered = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=1 << 30)
+            segment = SharedMemoryGroup(group, timeout=60)   # the one-host path
+            in_node = in_node_adasum_(flat.clone(), bounds, segment, layer_map(bounds))
             # over MPI, the first exchange of every level in chunks (cut across layers, odd
             # lengths) whose products are summed as they arrive; twice, so the second call
             # runs the exchanges prepared by the first (Gloo exchanges are never chunked)
@@ -141,11 +145,13 @@ def _rvh_every_count():
                         try:
                             extra[("parallel", str(dtype), host)] = [
                                 adasum_allreduce_(x.clone(), bounds, group, gather_limit=g)
-                                for g in (0, 1 << 30)]
+                                for g in (0, 1 << 30)] + [
+                                in_node_adasum_(x.clone(), bounds, segment, layer_map(bounds))]
                         finally:
                             operator.HOST_CODE = True
             if size not in EXTRA_SIZES:
-                results[size] = (group.size, rvh, gathered, chunked, extra)
+                segment.close()
+                results[size] = (group.size, rvh, gathered, chunked, extra, in_node)
                 continue
             # 16-bit floats through RVH's exchanges (over MPI: as int16, see backends/mpi.py)
             for dtype in (torch.float16, torch.bfloat16):
@@ -159,9 +165,12 @@ def _rvh_every_count():
                 half = torch.cat([t.reshape(-1)
                                   for t in layers_for(r, seed=size, dtype=torch.float16)])
                 extra["generic float16"] = adasum_allreduce_(half, bounds, group, gather_limit=0)
+                extra["generic shm float16"] = in_node_adasum_(half.clone(), bounds, segment,
+                                                               layer_map(bounds))
             finally:
                 operator.HOST_CODE = True
-            results[size] = (group.size, rvh, gathered, chunked, extra)
+            segment.close()
+            results[size] = (group.size, rvh, gathered, chunked, extra, in_node)
         return results
 
     def run_moves(topology):
@@ -217,11 +226,11 @@ def test_adasum_every_process_count(backend):
         for members in (range(0, size), range(size, n)):
             inputs = [layers_for(r, seed=size) for r in members]
             expected = ref_tree(inputs, shapes)
-            def flat_of(r, path):  # RVH, gather, chunked RVH, chunked RVH prepared before
+            def flat_of(r, path):  # RVH, gather, chunked RVH, chunked RVH prepared before, shm
                 split = results[r]["split"][size]
-                return split[path] if path < 3 else split[3][path - 3]
+                return split[path] if path < 3 else split[3][path - 3] if path < 5 else split[5]
 
-            for path in (1, 2, 3, 4):
+            for path in (1, 2, 3, 4, 5):
                 for r in members:
                     group_size, flat = results[r]["split"][size][0], flat_of(r, path)
                     assert group_size == len(members)
@@ -231,7 +240,8 @@ def test_adasum_every_process_count(backend):
                     # every rank holds the same bits, or replicas drift apart
                     assert torch.equal(flat, flat_of(members[0], path))
             extras = (("torch.float16", torch.float16), ("torch.bfloat16", torch.bfloat16),
-                      ("generic", torch.float32), ("generic float16", torch.float16))
+                      ("generic", torch.float32), ("generic float16", torch.float16),
+                      ("generic shm float16", torch.float16))
             for key, dtype in extras if size in EXTRA_SIZES else ():
                 expected_d = ref_tree([layers_for(r, size, dtype) for r in members], shapes)
                 first = results[members[0]]["split"][size][4][key]
@@ -250,7 +260,9 @@ def test_adasum_every_process_count(backend):
                 for host in (True, False):
                     key = ("parallel", str(dtype), host)
                     for r in members:
-                        for path, flat in zip(("rvh", "gather"), results[r]["split"][size][4][key]):
+                        paths = results[r]["split"][size][4][key]
+                        assert len(paths) == 3
+                        for path, flat in zip(("rvh", "gather", "shm"), paths):
                             assert flat.dtype == dtype
                             got = torch.split(flat, [s.numel() for s in shapes])
                             errs = [rel_err([g], [e]) for g, e in zip(got, mean) if e.numel()]

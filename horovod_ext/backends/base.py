@@ -115,6 +115,10 @@ class Communicator(ABC):
     #: From this many bytes, an allreduce among ranks of one host goes faster through the
     #: shared-memory group (shm.py) than through this communicator.
     shared_memory_from_bytes = 64 << 10
+    #: Whether this communicator's send/receive between ranks of one host already goes through
+    #: shared memory (MPI's in-node transport): steps built from exchanges, such as Adasum's
+    #: levels, then gain nothing from running through the shared-memory group instead.
+    exchanges_in_shared_memory = False
 
     # Algorithms that repeat one exchange every step (Adasum's levels) can prepare it once.
     # Right after a large transfer has evicted the caches, each torch op on the way to the

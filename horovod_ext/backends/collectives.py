@@ -53,6 +53,16 @@ class Collectives:
         return (t.num_nodes == 1 and t.local_size > 1 and t.shared_memory and shm.available()
                 and nbytes >= self.world.shared_memory_from_bytes)
 
+    def single_host_group(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
+        """The shared-memory group of all ranks when every one is on this host, the host
+        allows it, ``buffer`` can go through it and the world's own exchanges do not already
+        (the same answer on every rank); else None.  For ops whose own step reads every rank's
+        vector (in-node Adasum)."""
+        t = self.topology
+        if self.hierarchical or t.num_nodes != 1 or self.world.exchanges_in_shared_memory:
+            return None
+        return t.in_node(buffer.view(-1))
+
     def reduces_on_world(self, buffer: torch.Tensor) -> bool:
         """Whether an elementwise allreduce of ``buffer`` is one plain call of the world
         communicator (not hierarchical, not through shared memory)."""

@@ -273,6 +273,9 @@ class MPICommunicator(Communicator):
     # Open MPI's own shared-memory transport keeps up with shm.py while a buffer fits in the
     # caches (measured with benchmarks/allreduce.py --in-node-only: 16 MiB 0.9x, 32 MiB 2.4x).
     shared_memory_from_bytes = 32 << 20
+    # Adasum at 1-64 MiB, np = 2 and 4 (benchmarks/adasum.py): its exchanges over Open MPI
+    # took 1.1-1.4x Sum's time, its levels through shm.py 1.2-2.4x.
+    exchanges_in_shared_memory = True
 
     # CPU buffers by address (contiguous, any dtype: point-to-point moves bytes).
     prepared_by_address = True

@@ -58,6 +58,7 @@ class SharedMemoryGroup:
         self._phase = 0          # this rank's counter: phases completed so far
         self._pool: Optional[ThreadPoolExecutor] = None   # runs the cross-node steps
         self._aborted: Optional[str] = None   # why waits end at once (a peer has failed)
+        self._table_at, self._table_room, self._table_area = 0, 0, 0   # sum_tables' areas
 
     # --- the segment --------------------------------------------------------------------------
     def _ensure(self, nbytes: int):
@@ -204,6 +205,44 @@ class SharedMemoryGroup:
         # Nobody may refill its slot (the next phase 1) before every rank has read it.
         self._arrive_and_wait("all-gather")
         return flat
+
+    # --- whole vectors, for steps that read every rank's buffer (in-node Adasum) -------------
+    def publish(self, flat: torch.Tensor, table_bytes: int = 0) -> List[torch.Tensor]:
+        """``flat`` (contiguous 1-D CPU) into this rank's slot; then every local rank's slot as a
+        tensor like ``flat`` (valid until the next call of any method of this group).  Each slot
+        keeps two areas of ``table_bytes`` past the data for ``sum_tables``."""
+        nbytes = flat.numel() * flat.element_size()
+        self._table_at = -(-nbytes // _LINE) * _LINE
+        self._table_room = -(-table_bytes // _LINE) * _LINE
+        self._ensure(self._table_at + 2 * self._table_room)
+        views = [self._view(k, flat) for k in range(self.size)]
+        if views[self.rank].data_ptr() != flat.data_ptr():
+            views[self.rank].copy_(flat)
+        self._arrive_and_wait("publish")
+        self._table_area = 0
+        return views
+
+    def sum_tables(self, table: torch.Tensor) -> torch.Tensor:
+        """The sum over the local ranks of the float64 ``table`` (the same shape on each), added
+        in local-rank order (the same bits everywhere), through the slots' table areas (at
+        most ``publish``'s ``table_bytes``); areas alternate, so a rank writing the next table
+        never meets one still read."""
+        nbytes = table.numel() * 8
+        if nbytes > self._table_room:
+            raise ValueError(f"a table of {nbytes} bytes in areas of {self._table_room}")
+        at = self._table_at + self._table_area * self._table_room
+        self._table_area ^= 1
+        areas = [self._slots[k][at:at + nbytes].view(torch.float64) for k in range(self.size)]
+        areas[self.rank].copy_(table.reshape(-1))
+        self._arrive_and_wait("table sum")
+        total = areas[0].clone()
+        for area in areas[1:]:
+            total += area
+        return total.view_as(table)
+
+    def arrive(self, what: str):
+        """Wait until every local rank has come this far (``what`` names the step in errors)."""
+        self._arrive_and_wait(what)
 
     def allgather_rows(self, tensor: torch.Tensor, counts: List[int]) -> torch.Tensor:
         """Every local rank's contiguous CPU ``tensor`` (``counts[k]`` rows on local rank k,

@@ -1,6 +1,8 @@
 """``hvd.Adasum``: the registry op that runs Adasum (adasum/) flat or hierarchically.
 
-Flat: AdasumRVH over all ranks, the tree over ranks in rank order.  Hierarchical
+Flat: AdasumRVH over all ranks, the tree over ranks in rank order; when every rank is on one
+host and shared memory is on, the same tree through the shared-memory segment
+(adasum/shared_memory.py) instead.  Hierarchical
 (HOROVOD_HIERARCHICAL_ALLREDUCE=1 with several nodes, paper 4.2.2): average inside each node by a
 reduce-scatter, so each local rank owns a shard; Adasum across nodes on the shards, in node order,
 with the per-layer dot products also summed over the local ranks so that they cover whole layers;
@@ -14,7 +16,8 @@ from typing import Tuple
 
 import torch
 
-from horovod_ext.algorithms.adasum import adasum_allreduce_
+from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_, layer_map
+from horovod_ext.backends import trace
 from horovod_ext.backends.hierarchy import Span
 from horovod_ext.backends.topology import Topology
 
@@ -32,6 +35,11 @@ class AdasumOp(Op):
 
     def allreduce(self, buffer, layers, comms):
         bounds = [(layer.offset, layer.numel) for layer in layers]
+        group = comms.single_host_group(buffer)
+        if group is not None and buffer.is_contiguous():
+            with trace.activity("SHM_ADASUM", trace.nbytes_of(buffer)):
+                in_node_adasum_(buffer.view(-1), bounds, group, layer_map(bounds))
+            return buffer
 
         def step(part: torch.Tensor, span: Span) -> torch.Tensor:
             if not span.hierarchical:

@@ -68,7 +68,7 @@ def _sum_over_groups(comm: Communicator, dots: Optional[torch.Tensor], me: int, 
 _LAYER_MAPS: "OrderedDict[tuple, LayerMap]" = OrderedDict()
 
 
-def _layer_map(bounds) -> LayerMap:
+def layer_map(bounds) -> LayerMap:
     """The LayerMap of these bounds, kept for the buffers seen lately (they recur each step,
     and a map keeps the pieces it has sliced)."""
     key = tuple(map(tuple, bounds))
@@ -98,7 +98,7 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
     if n == 1:
         return x
     order = tuple(range(n)) if order is None else tuple(order)
-    layers = _layer_map(bounds)
+    layers = layer_map(bounds)
     p = largest_power_of_two(n)
     me = order.index(comm.rank)
     gathered_bytes = (n - 1) * x.numel() * x.element_size()

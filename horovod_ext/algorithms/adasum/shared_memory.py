@@ -1,0 +1,68 @@
+"""Adasum among the ranks of one host, through their shared-memory segment (backends/shm.py).
+
+Every rank publishes its whole vector in its slot, and every slot is split into the same
+``split_sizes`` shards; rank s owns shard s of every slot.  The tree is the one RVH and the
+gather path compute (ranks r >= p folded into r - p, then pairs at distance 1, 2, ..., weighted
+by ``tree_divisors``): at each level every rank computes, for every pair of the level, its
+shard's share of the per-layer [a.b, a.a, b.b]; the shares are summed through the segment (one
+small table per rank and level); and each rank combines its own shard of every pair into the
+a side's slot.  Only the tables cross between ranks until the end, when every rank copies the
+result from the first slot.  So a level costs one pass over the shards and one wait, where RVH
+over sockets costs an exchange of half the vector and a dot-product allreduce: on one host with
+Gloo, the exchanges' copies through the kernel and their per-message latency dominated.
+
+Every rank adds the tables in the same order and the result is each shard's one owner's, so
+all ranks end with the same bits.
+"""
+from typing import List, Sequence, Tuple
+
+import torch
+
+from horovod_ext.backends.base import split_sizes
+from horovod_ext.backends.shm import SharedMemoryGroup
+
+from .gather import largest_power_of_two, tree_divisors
+from .operator import EQUAL, coefficients, combine_, partial_dots
+
+# (a, b, divisors): the a side's vector becomes Adasum(a, b)
+Pair = Tuple[int, int, Tuple[float, float]]
+
+
+def tree_levels(n: int) -> List[List[Pair]]:
+    """The tree's pairs over ``n`` ranks, level by level: the fold, then distance 1, 2, ..."""
+    p = largest_power_of_two(n)
+    levels = [[(r - p, r, EQUAL) for r in range(p, n)]] if n > p else []
+    d = 1
+    while d < p:
+        levels.append([(i, i + d, tree_divisors(n, i, d)) for i in range(0, p, 2 * d)])
+        d *= 2
+    return levels
+
+
+def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
+                    group: SharedMemoryGroup, layer_map) -> torch.Tensor:
+    """Adasum of the flat CPU tensor ``x`` over the ranks of ``group`` (in local-rank order),
+    per layer (``bounds``: (offset, numel) per layer; ``layer_map``: its LayerMap), in place."""
+    n, me = group.size, group.rank
+    counts = split_sizes(x.numel(), n)
+    lo = sum(counts[:me])
+    hi = lo + counts[me]
+    piece = layer_map.piece(lo, hi)
+    levels = tree_levels(n)
+    widest = max(len(pairs) for pairs in levels)
+    slots = group.publish(x, table_bytes=widest * layer_map.count * 3 * 8)
+    shards = [slot[lo:hi] for slot in slots]
+    for pairs in levels:
+        table = torch.zeros(len(pairs), layer_map.count, 3, dtype=torch.float64)
+        if hi > lo:
+            for k, (a, b, _) in enumerate(pairs):
+                table[k] = partial_dots(shards[a], shards[b], piece)
+        dots = group.sum_tables(table)
+        if hi > lo:
+            for k, (a, b, divisors) in enumerate(pairs):
+                combine_(shards[a], shards[b], True, coefficients(dots[k], divisors), piece)
+    group.arrive("adasum result")
+    if x.data_ptr() != slots[0].data_ptr():
+        x.copy_(slots[0])
+    group.arrive("adasum result read")   # nobody refills its slot before all have read slot 0
+    return x
