@@ -12,3 +12,4 @@ from .adasum import Adasum
 from .onebit import OneBit
 from .randomk import RandomK
 from .powersgd import PowerSGD
+from .sparseloco import SparseLoCo

@@ -22,7 +22,7 @@ from horovod_ext.backends.hierarchy import Span
 from horovod_ext.backends.partition import balanced_parts
 
 from .base import Op
-from .registry import get_op, register_op
+from .registry import configured_op
 
 
 class PowerSGDOp(Op):
@@ -115,13 +115,6 @@ def PowerSGD(rank: int = 1, start_iter: int = 10, min_compression_rate: float = 
     """The PowerSGD op with these settings (torch's ``PowerSGDState`` names; ``start_iter`` is its
     ``start_powerSGD_iter``), registered under a name made of them: the same object for the
     same settings, so every rank may call this wherever it needs the op."""
-    op = PowerSGDOp(rank, start_iter, min_compression_rate, warm_start,
-                    orthogonalization_epsilon, use_error_feedback, seed,
-                    batch_tensors_with_same_shape)
-    try:
-        existing = get_op(op.name)
-    except ValueError:
-        return register_op(op)
-    if not isinstance(existing, PowerSGDOp):
-        raise ValueError(f"an op named {op.name!r} is registered already and is not PowerSGD")
-    return existing
+    return configured_op(PowerSGDOp(rank, start_iter, min_compression_rate, warm_start,
+                                    orthogonalization_epsilon, use_error_feedback, seed,
+                                    batch_tensors_with_same_shape))

@@ -26,7 +26,7 @@ from horovod_ext.backends import trace
 from horovod_ext.backends.hierarchy import Span
 
 from .base import Layer, Op
-from .registry import get_op, register_op
+from .registry import configured_op
 
 
 class RandomKOp(Op):
@@ -95,11 +95,4 @@ def RandomK(ratio: float) -> RandomKOp:
     """The random-k averaging op for ``ratio`` (the fraction of each large tensor's elements
     averaged per call), registered as ``randomk_<ratio>``; the same object for the same ratio,
     so every rank may call this wherever it needs the op."""
-    name = op_name(ratio)
-    try:
-        existing = get_op(name)
-    except ValueError:
-        return register_op(RandomKOp(ratio))
-    if not isinstance(existing, RandomKOp):
-        raise ValueError(f"an op named {name!r} is registered already and is not RandomK")
-    return existing
+    return configured_op(RandomKOp(ratio))

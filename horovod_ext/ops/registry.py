@@ -20,6 +20,20 @@ def register_op(op: Op, replace: bool = False) -> Op:
     return op
 
 
+def configured_op(op: Op) -> Op:
+    """The op registered under ``op.name`` when it is of ``op``'s type (made by the same
+    factory with the same settings, whose values the name holds), else ``op`` registered now:
+    so a factory such as ``hvd.RandomK(ratio)`` returns the same object wherever a rank calls
+    it."""
+    existing = _REGISTRY.get(op.name)
+    if existing is None:
+        return register_op(op)
+    if type(existing) is not type(op):
+        raise ValueError(f"an op named {op.name!r} is registered already and is not a "
+                         f"{type(op).__name__}")
+    return existing
+
+
 def get_op(op: Union[str, Op]) -> Op:
     if isinstance(op, Op):
         if _REGISTRY.get(op.name) is not op:

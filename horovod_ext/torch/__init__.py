@@ -36,6 +36,8 @@ from horovod_ext.algorithms.slamb import SLAMB
 from horovod_ext.algorithms.lamb import Lamb
 from horovod_ext.ops.randomk import RandomK
 from horovod_ext.ops.powersgd import PowerSGD
+# SparseLoCo's compressed average (for DiLoCo's outer step)
+from horovod_ext.ops.sparseloco import SparseLoCo
 from .diloco import DiLoCo
 from . import elastic
 from .elastic import HostsUpdatedInterrupt

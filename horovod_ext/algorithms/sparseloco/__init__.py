@@ -1,0 +1,13 @@
+"""SparseLoCo's compressor (Sarfi et al., 2025, "Communication Efficient LLM Pre-training with
+SparseLoCo", https://arxiv.org/abs/2508.15706): top-k of each chunk of a tensor, the chosen values
+quantised to a few bits, with error feedback; the ranks' compressed tensors are gathered and
+averaged.
+
+``compress``: the chunked top-k and its quantiser, as bytes (``ChunkTopK``); ``average``: the
+error-fed average over the ranks of a communicator.  Written against
+``horovod_ext.backends.Communicator`` only; the registry op ``hvd.SparseLoCo`` wraps it.
+"""
+from .average import ErrorFeedback, sparse_average_
+from .compress import ChunkTopK
+
+__all__ = ["ChunkTopK", "ErrorFeedback", "sparse_average_"]

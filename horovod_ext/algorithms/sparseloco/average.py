@@ -1,0 +1,72 @@
+"""The error-fed compressed average of SparseLoCo over the ranks of a communicator.
+
+For each tensor x (a layer, or the part of one a rank reduces) with its error e:
+e = decay * e + x; the message m = compress(e); e = e - decompress(m); and the result is the
+mean over ranks of decompress(m_r).  All of a call's messages travel in one allgather (their
+lengths depend only on the tensors' sizes, so every rank's are alike); every rank adds the
+ranks' values in rank order, so all hold the same bits.  ``decay`` < 1 is the paper's error
+feedback with its decay, which takes the place of the outer momentum; 1 keeps every error.
+"""
+from typing import Dict, Hashable, List, Sequence, Tuple
+
+import torch
+
+from horovod_ext.backends.base import Communicator
+
+from .compress import ChunkTopK
+
+
+class ErrorFeedback:
+    """Per tensor key, what compression has not sent yet (float32 or wider, on the tensor's
+    device), and the bytes this rank has put into messages."""
+
+    def __init__(self):
+        self.errors: Dict[Hashable, torch.Tensor] = {}
+        self.bytes_sent = 0
+
+    def state_dict(self) -> dict:
+        return {"errors": [(key, e.clone()) for key, e in self.errors.items()],
+                "bytes_sent": self.bytes_sent}
+
+    def load_state_dict(self, state: dict):
+        self.errors = {_hashable(key): e.clone() for key, e in state["errors"]}
+        self.bytes_sent = state["bytes_sent"]
+
+
+def _hashable(key):
+    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def sparse_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]], feedback: ErrorFeedback,
+                    comm: Communicator, config: ChunkTopK, decay: float) -> None:
+    """Replace each 1-D float tensor of ``tensors`` ((key, tensor) pairs) by the mean over the
+    ranks of ``comm`` of their compressed, error-fed values, in place."""
+    messages: List[torch.Tensor] = []
+    for key, x in tensors:
+        error = feedback.errors.get(key)
+        if error is None or error.shape != x.shape:
+            error = feedback.errors[key] = torch.zeros_like(
+                x, dtype=torch.promote_types(x.dtype, torch.float32))
+        error.mul_(decay).add_(x)
+        message = config.compress(error)
+        error.sub_(config.decompress(message, x.numel()))
+        messages.append(message)
+    mine = torch.cat(messages) if messages else torch.empty(0, dtype=torch.uint8)
+    feedback.bytes_sent += mine.numel()
+    if comm.size > 1 and mine.numel():
+        everyone = comm.allgather(mine.view(1, -1), [1] * comm.size)
+    else:
+        everyone = mine.view(1, -1)
+    for (_, x), start, length in zip(tensors, _starts(messages), map(len, messages)):
+        x.zero_()
+        for row in everyone:
+            config.decompress(row[start:start + length], x.numel(), out=x, add=True)
+        x.div_(comm.size)
+
+
+def _starts(messages: Sequence[torch.Tensor]) -> List[int]:
+    starts, at = [], 0
+    for m in messages:
+        starts.append(at)
+        at += len(m)
+    return starts
