@@ -33,6 +33,12 @@ Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
   powersgd_r1/4      hvd.DistributedOptimizer(op=hvd.PowerSGD(rank=1 / 4)), the hook's settings
   diloco_h10/h50     hvd.DiLoCo(Adam, sync_every=10 / 50), outer lr 0.7, Nesterov momentum 0.9
   diloco_h50_onebit  the same with op=hvd.OneBit: the pseudo-gradient sent at 1 bit per element
+  sparseloco_h50     hvd.DiLoCo(Adam, sync_every=50, outer lr 1, no outer momentum,
+                     op=hvd.SparseLoCo()): 1/64 of each 4096-element chunk at 2 bits, error
+                     feedback decayed by 0.95 (SparseLoCo's settings)
+  variants           diloco_h<H>[_onebit|_sparseloco][_lr<outer lr>][_m<outer momentum>]
+                     [_warm<inner warm-up steps>], e.g. diloco_h50_lr1_m0 (local SGD):
+                     any H and outer settings, for sweeps; listed after the methods above
 2 x 2 runs ours hierarchically (HOROVOD_HIERARCHICAL_ALLREDUCE=1); DDP has no such mode.
 
 Settings: loopback-2x1 / 2x2 (localhost, unshaped: the "fast network"), and 2 emulated hosts of
@@ -49,6 +55,7 @@ that reaches it), throughput, and in the lab the bytes that left the hosts' NICs
 training time per setting next to it.
 """
 import os
+import re
 import statistics
 import sys
 import time
@@ -62,7 +69,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 METHODS = ["ddp", "ddp_fp16", "ddp_powersgd_r1", "ddp_powersgd_r4", "ddp_local_sgd", "average",
            "adasum", "onebit_adam", "onebit_lamb", "slamb", "powersgd_r1", "powersgd_r4",
-           "diloco_h10", "diloco_h50", "diloco_h50_onebit"]
+           "diloco_h10", "diloco_h50", "diloco_h50_onebit", "sparseloco_h50"]
 QUICK_METHODS = ["ddp", "ddp_powersgd_r1", "average", "powersgd_r1", "diloco_h10"]
 SETTINGS = _spawn.LINK_SETTINGS
 WORKLOADS = {  # name: default steps, global batch, target, Adam's lr, quality, higher is better
@@ -222,11 +229,33 @@ def build(method, net, args, total, seed, per_node):
     if method == "slamb":
         return net, hvd.SLAMB(net.parameters(), ratio=0.1, sync_interval=SLAMB_INTERVAL,
                               total_steps=total, **lamb)
-    if method.startswith("diloco"):
-        op = hvd.OneBit if method.endswith("onebit") else hvd.Average
-        every = int(method.split("_")[1][1:])
-        return net, hvd.DiLoCo(adam(), named_parameters=named, sync_every=every, op=op)
+    local = local_method(method)
+    if local is not None:
+        op = {"": hvd.Average, "onebit": hvd.OneBit, "sparseloco": hvd.SparseLoCo()}[local["op"]]
+        return net, hvd.DiLoCo(adam(), named_parameters=named, sync_every=local["every"], op=op,
+                               outer_lr=local["outer_lr"], outer_momentum=local["momentum"])
     raise ValueError(f"unknown method {method!r}")
+
+
+LOCAL_METHOD = re.compile(r"diloco_h(\d+)(?:_(onebit|sparseloco))?(?:_lr([\d.]+))?"
+                          r"(?:_m([\d.]+))?(?:_warm(\d+))?")
+
+
+def local_method(method: str):
+    """DiLoCo's settings of a method name (see the module), or None for other methods."""
+    if method == "sparseloco_h50":
+        return dict(every=50, op="sparseloco", outer_lr=1.0, momentum=0.0, warmup=0)
+    found = LOCAL_METHOD.fullmatch(method)
+    if found is None:
+        return None
+    every, op, lr, momentum, warmup = found.groups()
+    return dict(every=int(every), op=op or "", outer_lr=float(lr or 0.7),
+                momentum=float(0.9 if momentum is None else momentum), warmup=int(warmup or 0))
+
+
+def method_order(present):
+    """The methods in ``present`` in the module's order, variants after them."""
+    return [m for m in METHODS if m in present] + sorted(m for m in present if m not in METHODS)
 
 
 def train(method, work, args, rep, log):
@@ -244,6 +273,7 @@ def train(method, work, args, rep, log):
     module, opt = build(method, net, args, total, seed, hvd.local_size())
     order = torch.randperm(work.samples, generator=torch.Generator().manual_seed(seed))
     peak_lr = args.lamb_lr if method in LAMB_METHODS else args.adam_lr
+    warm = (local_method(method) or {}).get("warmup", 0)   # a variant's inner warm-up
     row = {"evals": [], "losses": []}
     # only the host's first rank counts its NIC (ranks of a host share it)
     counting = args.count_nic and hvd.local_rank() == 0
@@ -254,7 +284,7 @@ def train(method, work, args, rep, log):
         first = (step * args.global_batch) % work.samples
         idx = order[first + rank * per_rank:first + (rank + 1) * per_rank]
         for group in opt.param_groups:
-            group["lr"] = peak_lr * (total - step) / total
+            group["lr"] = peak_lr * (total - step) / total * min(1.0, (step + 1) / max(1, warm))
         opt.zero_grad()
         loss = work.loss(module, work.batch(idx))
         loss.backward()
@@ -377,7 +407,7 @@ def table_rows(report, rows):
     quality = "acc %" if report["workload"] == "cnn" else "bits/byte"
     scale = _scale(report)
     out = []
-    for method in [m for m in METHODS if m in rows]:
+    for method in method_order(rows):
         r = rows[method]
         speed = _median(r["samples_per_s"])
         out.append({"method": method,
@@ -467,7 +497,7 @@ def comparisons(report) -> str:
             lines += [f"\n**{setting}**: against Average (penalty: time to target over Average's "
                       f"on loopback)", "", "| method | slow-link penalty | wire bytes to target "
                       f"| final vs Average ({unit}) |", "|---|---|---|---|"]
-        for method in [m for m in METHODS if m in rows and "average" in rows]:
+        for method in [m for m in method_order(rows) if "average" in rows]:
             r = rows[method]
             penalty = f"{r['penalty']:.2f}x" if r["penalty"] else "not reached"
             fewer = ("-" if not r["fewer_bytes"] else f"{r['fewer_bytes']:.1f}x fewer"
@@ -498,7 +528,7 @@ def plot(report, stem):
         by_method = {}
         for run in setting["runs"]:
             by_method.setdefault(run["method"], []).append(run["evals"])
-        for i, method in enumerate(m for m in METHODS if m in by_method):
+        for i, method in enumerate(method_order(by_method)):
             reps = by_method[method]
             points = min(len(r) for r in reps)
             xs = [statistics.median(r[j]["train_s"] for r in reps) for j in range(points)]
@@ -599,9 +629,10 @@ def main():
             args.methods = ",".join(QUICK_METHODS)
     settings = _spawn.choices(p, args.settings or (",".join(SETTINGS) if args.lab
                                                    else "loopback-2x1"), SETTINGS, "settings")
-    methods = _spawn.choices(p, args.methods, METHODS, "methods")
-    periods = {"diloco_h10": 10, "diloco_h50": 50, "diloco_h50_onebit": 50,
-               "slamb": SLAMB_INTERVAL, "ddp_local_sgd": args.period}
+    methods = _spawn.choices(p, args.methods, METHODS + [m for m in args.methods.split(",")
+                                                         if local_method(m)], "methods")
+    periods = {m: local_method(m)["every"] for m in methods if local_method(m)}
+    periods.update({"slamb": SLAMB_INTERVAL, "ddp_local_sgd": args.period})
     misaligned = [m for m in methods if args.eval_every % periods.get(m, 1)]
     if misaligned:
         p.error(f"--eval-every {args.eval_every} is not a multiple of the sync period of "
