@@ -36,9 +36,10 @@ Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
   sparseloco_h50     hvd.DiLoCo(Adam, sync_every=50, outer lr 1, no outer momentum,
                      op=hvd.SparseLoCo()): 1/64 of each 4096-element chunk at 2 bits, error
                      feedback decayed by 0.95 (SparseLoCo's settings)
-  variants           diloco_h<H>[_onebit|_sparseloco][_lr<outer lr>][_m<outer momentum>]
-                     [_warm<inner warm-up steps>], e.g. diloco_h50_lr1_m0 (local SGD):
-                     any H and outer settings, for sweeps; listed after the methods above
+  variants           diloco_h<H>[_onebit|_sparseloco[_d<density>]][_lr<outer lr>]
+                     [_m<outer momentum>][_warm<inner warm-up steps>], e.g. diloco_h50_lr1_m0
+                     (local SGD): any H and outer settings, for sweeps; listed after the
+                     methods above
 2 x 2 runs ours hierarchically (HOROVOD_HIERARCHICAL_ALLREDUCE=1); DDP has no such mode.
 
 Settings: loopback-2x1 / 2x2 (localhost, unshaped: the "fast network"), and 2 emulated hosts of
@@ -231,25 +232,28 @@ def build(method, net, args, total, seed, per_node):
                               total_steps=total, **lamb)
     local = local_method(method)
     if local is not None:
-        op = {"": hvd.Average, "onebit": hvd.OneBit, "sparseloco": hvd.SparseLoCo()}[local["op"]]
+        op = {"": hvd.Average, "onebit": hvd.OneBit,
+              "sparseloco": hvd.SparseLoCo(density=local["density"])}[local["op"]]
         return net, hvd.DiLoCo(adam(), named_parameters=named, sync_every=local["every"], op=op,
                                outer_lr=local["outer_lr"], outer_momentum=local["momentum"])
     raise ValueError(f"unknown method {method!r}")
 
 
-LOCAL_METHOD = re.compile(r"diloco_h(\d+)(?:_(onebit|sparseloco))?(?:_lr([\d.]+))?"
-                          r"(?:_m([\d.]+))?(?:_warm(\d+))?")
+LOCAL_METHOD = re.compile(r"diloco_h(\d+)(?:_(onebit|sparseloco)(?:_d([\d.]+))?)?"
+                          r"(?:_lr([\d.]+))?(?:_m([\d.]+))?(?:_warm(\d+))?")
 
 
 def local_method(method: str):
     """DiLoCo's settings of a method name (see the module), or None for other methods."""
     if method == "sparseloco_h50":
-        return dict(every=50, op="sparseloco", outer_lr=1.0, momentum=0.0, warmup=0)
+        return dict(every=50, op="sparseloco", density=1 / 64, outer_lr=1.0, momentum=0.0,
+                    warmup=0)
     found = LOCAL_METHOD.fullmatch(method)
     if found is None:
         return None
-    every, op, lr, momentum, warmup = found.groups()
-    return dict(every=int(every), op=op or "", outer_lr=float(lr or 0.7),
+    every, op, density, lr, momentum, warmup = found.groups()
+    return dict(every=int(every), op=op or "", density=float(density or 1 / 64),
+                outer_lr=float(lr or 0.7),
                 momentum=float(0.9 if momentum is None else momentum), warmup=int(warmup or 0))
 
 

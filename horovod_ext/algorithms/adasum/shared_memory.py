@@ -18,6 +18,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
+from horovod_ext.backends import trace
 from horovod_ext.backends.base import split_sizes
 from horovod_ext.backends.shm import SharedMemoryGroup
 
@@ -50,19 +51,33 @@ def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
     piece = layer_map.piece(lo, hi)
     levels = tree_levels(n)
     widest = max(len(pairs) for pairs in levels)
-    slots = group.publish(x, table_bytes=widest * layer_map.count * 3 * 8)
+    with trace.activity("ADASUM_PUBLISH", trace.nbytes_of(x)):
+        slots = group.publish(x, table_bytes=widest * layer_map.count * 3 * 8)
     shards = [slot[lo:hi] for slot in slots]
-    for pairs in levels:
-        table = torch.zeros(len(pairs), layer_map.count, 3, dtype=torch.float64)
-        if hi > lo:
+    shard_bytes = (hi - lo) * x.element_size()
+    for i, pairs in enumerate(levels):
+        with trace.activity(f"ADASUM_LEVEL_{i}", 2 * len(pairs) * shard_bytes):
+            _level(pairs, shards, piece, layer_map.count, group, hi > lo)
+    with trace.activity("ADASUM_RESULT", trace.nbytes_of(x)):
+        group.arrive("adasum result")
+        if x.data_ptr() != slots[0].data_ptr():
+            x.copy_(slots[0])
+        group.arrive("adasum result read")   # nobody refills its slot before all read slot 0
+    return x
+
+
+def _level(pairs: List[Pair], shards, piece, layer_count: int, group: SharedMemoryGroup,
+           owns_elements: bool):
+    """One level of the tree on this rank's shard: its share of every pair's products, their
+    sum over the ranks, and the a sides combined in place."""
+    table = torch.zeros(len(pairs), layer_count, 3, dtype=torch.float64)
+    with trace.activity("ADASUM_DOT_PRODUCTS"):
+        if owns_elements:
             for k, (a, b, _) in enumerate(pairs):
                 table[k] = partial_dots(shards[a], shards[b], piece)
+    with trace.activity("ADASUM_DOT_PRODUCTS_SUM", table.numel() * 8):
         dots = group.sum_tables(table)
-        if hi > lo:
+    with trace.activity("ADASUM_COMBINE"):
+        if owns_elements:
             for k, (a, b, divisors) in enumerate(pairs):
                 combine_(shards[a], shards[b], True, coefficients(dots[k], divisors), piece)
-    group.arrive("adasum result")
-    if x.data_ptr() != slots[0].data_ptr():
-        x.copy_(slots[0])
-    group.arrive("adasum result read")   # nobody refills its slot before all have read slot 0
-    return x
