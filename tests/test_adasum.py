@@ -103,7 +103,7 @@ def _rvh_every_count():
     import horovod_ext.torch as hvd
     from horovod_ext.backends import context
     import horovod_ext.algorithms.adasum.rvh as rvh_module
-    from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_, layer_map
+    from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_
     from horovod_ext.algorithms.adasum import operator
     from horovod_ext.backends.shm import SharedMemoryGroup
     from tests.test_adasum import layers_for
@@ -125,7 +125,7 @@ def _rvh_every_count():
             rvh = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0)
             gathered = adasum_allreduce_(flat.clone(), bounds, group, gather_limit=1 << 30)
             segment = SharedMemoryGroup(group, timeout=60)   # the one-host path
-            in_node = in_node_adasum_(flat.clone(), bounds, segment, layer_map(bounds))
+            in_node = in_node_adasum_(flat.clone(), bounds, segment)
             # over MPI, the first exchange of every level in chunks (cut across layers, odd
             # lengths) whose products are summed as they arrive; twice, so the second call
             # runs the exchanges prepared by the first (Gloo exchanges are never chunked)
@@ -146,7 +146,7 @@ def _rvh_every_count():
                             extra[("parallel", str(dtype), host)] = [
                                 adasum_allreduce_(x.clone(), bounds, group, gather_limit=g)
                                 for g in (0, 1 << 30)] + [
-                                in_node_adasum_(x.clone(), bounds, segment, layer_map(bounds))]
+                                in_node_adasum_(x.clone(), bounds, segment)]
                         finally:
                             operator.HOST_CODE = True
             if size not in EXTRA_SIZES:
@@ -165,8 +165,7 @@ def _rvh_every_count():
                 half = torch.cat([t.reshape(-1)
                                   for t in layers_for(r, seed=size, dtype=torch.float16)])
                 extra["generic float16"] = adasum_allreduce_(half, bounds, group, gather_limit=0)
-                extra["generic shm float16"] = in_node_adasum_(half.clone(), bounds, segment,
-                                                               layer_map(bounds))
+                extra["generic shm float16"] = in_node_adasum_(half.clone(), bounds, segment)
             finally:
                 operator.HOST_CODE = True
             segment.close()

@@ -16,7 +16,7 @@ from typing import Tuple
 
 import torch
 
-from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_, layer_map
+from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_
 from horovod_ext.backends import trace
 from horovod_ext.backends.hierarchy import Span
 from horovod_ext.backends.topology import Topology
@@ -36,9 +36,9 @@ class AdasumOp(Op):
     def allreduce(self, buffer, layers, comms):
         bounds = [(layer.offset, layer.numel) for layer in layers]
         group = comms.single_host_group(buffer)
-        if group is not None and buffer.is_contiguous():
+        if group is not None:
             with trace.activity("SHM_ADASUM", trace.nbytes_of(buffer)):
-                in_node_adasum_(buffer.view(-1), bounds, group, layer_map(bounds))
+                in_node_adasum_(buffer.view(-1), bounds, group)
             return buffer
 
         def step(part: torch.Tensor, span: Span) -> torch.Tensor:

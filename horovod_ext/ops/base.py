@@ -105,6 +105,13 @@ class Op:
         return (get_op, (self.name,))
 
 
+def layer_overlap(layer: Layer, offset: int, numel: int) -> Optional[Tuple[int, int]]:
+    """[lo, hi) of ``layer`` inside buffer[offset:offset + numel], in the buffer's coordinates,
+    or None where they do not meet (the part a hierarchical step reduces may cut layers)."""
+    lo, hi = max(layer.offset, offset), min(layer.offset + layer.numel, offset + numel)
+    return (lo, hi) if lo < hi else None
+
+
 def average_(tensor: torch.Tensor, count: int) -> torch.Tensor:
     """Divide in place by ``count``; integers divide exactly, truncating toward zero."""
     if count == 1:

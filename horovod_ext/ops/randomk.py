@@ -25,7 +25,7 @@ from horovod_ext.algorithms.slamb.sparse import (SMALL_TENSOR_NUMEL, Entry, mask
 from horovod_ext.backends import trace
 from horovod_ext.backends.hierarchy import Span
 
-from .base import Layer, Op
+from .base import Layer, Op, layer_overlap
 from .registry import configured_op
 
 
@@ -73,12 +73,12 @@ class RandomKOp(Op):
     def _entries(part: torch.Tensor, offset: int, layers: Sequence[Layer],
                  masks: Sequence[Optional[torch.Tensor]]) -> List[Entry]:
         """(view, local indices) of every layer overlapping ``part`` = buffer[offset:...]."""
-        end = offset + part.numel()
         entries: List[Entry] = []
         for layer, idx in zip(layers, masks):
-            lo, hi = max(layer.offset, offset), min(layer.offset + layer.numel, end)
-            if lo >= hi:
+            span = layer_overlap(layer, offset, part.numel())
+            if span is None:
                 continue
+            lo, hi = span
             view = part[lo - offset:hi - offset]
             if idx is None:
                 entries.append((view, None))

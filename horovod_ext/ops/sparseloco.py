@@ -20,7 +20,7 @@ from horovod_ext.algorithms.sparseloco import ChunkTopK, ErrorFeedback, sparse_a
 from horovod_ext.backends import trace
 from horovod_ext.backends.hierarchy import Span
 
-from .base import Op
+from .base import Op, layer_overlap
 from .registry import configured_op
 
 
@@ -71,11 +71,11 @@ class SparseLoCoOp(Op):
 def _pieces(part, offset: int, layers) -> List[Tuple[tuple, object]]:
     """(key, view) of each layer's overlap with ``part`` = buffer[offset:...]; the key names the
     layer and the overlap, so that errors follow the tensor."""
-    end = offset + part.numel()
     pieces = []
     for layer in layers or ():
-        lo, hi = max(layer.offset, offset), min(layer.offset + layer.numel, end)
-        if lo < hi:
+        span = layer_overlap(layer, offset, part.numel())
+        if span is not None:
+            lo, hi = span
             pieces.append(((layer.name, lo - layer.offset, hi - layer.offset),
                            part[lo - offset:hi - offset]))
     return pieces or [(("", 0, part.numel()), part)]

@@ -7,8 +7,8 @@ ranks of one host, through their shared-memory segment.  Written against
 ``horovod_ext.backends.Communicator`` only; the registry op ``hvd.Adasum`` wraps it.
 """
 from .operator import LayerMap, adasum_pair_
-from .rvh import adasum_allreduce_, largest_power_of_two, layer_map
+from .rvh import adasum_allreduce_, largest_power_of_two
 from .shared_memory import in_node_adasum_
 
-__all__ = ["LayerMap", "adasum_pair_", "adasum_allreduce_", "in_node_adasum_", "layer_map",
+__all__ = ["LayerMap", "adasum_pair_", "adasum_allreduce_", "in_node_adasum_",
            "largest_power_of_two"]

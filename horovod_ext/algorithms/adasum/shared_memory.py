@@ -24,6 +24,7 @@ from horovod_ext.backends.shm import SharedMemoryGroup
 
 from .gather import largest_power_of_two, tree_divisors
 from .operator import EQUAL, coefficients, combine_, partial_dots
+from .rvh import layer_map
 
 # (a, b, divisors): the a side's vector becomes Adasum(a, b)
 Pair = Tuple[int, int, Tuple[float, float]]
@@ -41,23 +42,24 @@ def tree_levels(n: int) -> List[List[Pair]]:
 
 
 def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
-                    group: SharedMemoryGroup, layer_map) -> torch.Tensor:
+                    group: SharedMemoryGroup) -> torch.Tensor:
     """Adasum of the flat CPU tensor ``x`` over the ranks of ``group`` (in local-rank order),
-    per layer (``bounds``: (offset, numel) per layer; ``layer_map``: its LayerMap), in place."""
+    per layer (``bounds``: (offset, numel) per layer), in place."""
+    layers = layer_map(bounds)
     n, me = group.size, group.rank
     counts = split_sizes(x.numel(), n)
     lo = sum(counts[:me])
     hi = lo + counts[me]
-    piece = layer_map.piece(lo, hi)
+    piece = layers.piece(lo, hi)
     levels = tree_levels(n)
     widest = max(len(pairs) for pairs in levels)
     with trace.activity("ADASUM_PUBLISH", trace.nbytes_of(x)):
-        slots = group.publish(x, table_bytes=widest * layer_map.count * 3 * 8)
+        slots = group.publish(x, table_bytes=widest * layers.count * 3 * 8)
     shards = [slot[lo:hi] for slot in slots]
     shard_bytes = (hi - lo) * x.element_size()
     for i, pairs in enumerate(levels):
         with trace.activity(f"ADASUM_LEVEL_{i}", 2 * len(pairs) * shard_bytes):
-            _level(pairs, shards, piece, layer_map.count, group, hi > lo)
+            _level(pairs, shards, piece, layers.count, group, hi > lo)
     with trace.activity("ADASUM_RESULT", trace.nbytes_of(x)):
         group.arrive("adasum result")
         if x.data_ptr() != slots[0].data_ptr():

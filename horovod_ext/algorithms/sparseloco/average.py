@@ -7,6 +7,7 @@ lengths depend only on the tensors' sizes, so every rank's are alike); every ran
 ranks' values in rank order, so all hold the same bits.  ``decay`` < 1 is the paper's error
 feedback with its decay, which takes the place of the outer momentum; 1 keeps every error.
 """
+import itertools
 from typing import Dict, Hashable, List, Sequence, Tuple
 
 import torch
@@ -42,6 +43,7 @@ def sparse_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]], feedback: 
     """Replace each 1-D float tensor of ``tensors`` ((key, tensor) pairs) by the mean over the
     ranks of ``comm`` of their compressed, error-fed values, in place."""
     messages: List[torch.Tensor] = []
+    sent: List[torch.Tensor] = []   # what this rank's messages stand for, decompressed once
     for key, x in tensors:
         error = feedback.errors.get(key)
         if error is None or error.shape != x.shape:
@@ -49,7 +51,8 @@ def sparse_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]], feedback: 
                 x, dtype=torch.promote_types(x.dtype, torch.float32))
         error.mul_(decay).add_(x)
         message = config.compress(error)
-        error.sub_(config.decompress(message, x.numel()))
+        sent.append(config.decompress(message, x.numel()))
+        error.sub_(sent[-1])
         messages.append(message)
     mine = torch.cat(messages) if messages else torch.empty(0, dtype=torch.uint8)
     feedback.bytes_sent += mine.numel()
@@ -57,16 +60,12 @@ def sparse_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]], feedback: 
         everyone = comm.allgather(mine.view(1, -1), [1] * comm.size)
     else:
         everyone = mine.view(1, -1)
-    for (_, x), start, length in zip(tensors, _starts(messages), map(len, messages)):
+    starts = itertools.accumulate((len(m) for m in messages), initial=0)
+    for (_, x), mine_dense, start, message in zip(tensors, sent, starts, messages):
         x.zero_()
-        for row in everyone:
-            config.decompress(row[start:start + length], x.numel(), out=x, add=True)
+        for rank, row in enumerate(everyone):   # in rank order on every rank: the same bits
+            if rank == comm.rank:
+                x.add_(mine_dense.to(x.dtype))
+            else:
+                config.decompress(row[start:start + len(message)], x.numel(), out=x, add=True)
         x.div_(comm.size)
-
-
-def _starts(messages: Sequence[torch.Tensor]) -> List[int]:
-    starts, at = [], 0
-    for m in messages:
-        starts.append(at)
-        at += len(m)
-    return starts
