@@ -1,5 +1,6 @@
 """Entry point of one test rank: ``python -m tests._worker MODULE FUNCTION RESULT_DIR``, or
-``run_forked`` in a child of the harness's fork server (see tests/harness.py).
+``run_forked`` in a child of the harness's fork server, or forked for an MPI rank by
+tests/_mpi_rank.py (see tests/harness.py).
 
 Runs ``MODULE.FUNCTION(*args)`` between hvd.init() and hvd.shutdown() and leaves the pickled
 return value (or the traceback) in RESULT_DIR for the harness to read.
@@ -42,19 +43,25 @@ def main(module_name, func_name, result_dir):
         os._exit(1)
 
 
-def run_forked(module_name, func_name, result_dir, env, log_path):
-    """``main`` in a fresh child of the fork server, set up as ``python -m tests._worker``
-    would be: its own session (the harness kills the group), exactly ``env``, output to
-    ``log_path``, and the exit functions run at the end as at a normal exit."""
-    os.setsid()
+def become_rank(env, out_fd, err_fd):
+    """Set this forked child up as ``python -m tests._worker`` would be: exactly ``env``,
+    output to the given descriptors, line-buffered."""
     os.environ.clear()          # in place: functions hold os.environ as a default argument
     os.environ.update(env)
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in {out_fd, err_fd} - {1, 2}:
+        os.close(fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
+
+
+def run_forked(module_name, func_name, result_dir, env, log_path):
+    """``main`` in a fresh child of the fork server, in its own session (the harness kills the
+    group), output to ``log_path``, and the exit functions run at the end as at a normal exit."""
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    become_rank(env, fd, fd)
     try:
         main(module_name, func_name, result_dir)
     finally:

@@ -8,8 +8,9 @@ an AssertionError carrying every rank's traceback and output tail.
 Gloo ranks are forked from a fork server that imported torch and horovod_ext once for the whole
 session (a fresh interpreter spends 1-3 s of this machine's CPU on those imports and on
 torch._dynamo, which the first optimizer step imports); each rank is still a new process with
-exactly its environment, and nothing has been initialised in it.  HVD_TEST_FRESH_PROCESSES=1
-starts every rank as its own interpreter instead.
+exactly its environment, and nothing has been initialised in it.  MPI ranks are started by
+mpirun as small stubs that have a child of the fork server fork the rank (tests/_mpi_rank.py).
+HVD_TEST_FRESH_PROCESSES=1 starts every rank as its own interpreter instead.
 """
 import multiprocessing
 import multiprocessing.forkserver
@@ -87,6 +88,24 @@ def _forking():
     return _fork_context
 
 
+_mpi_rank_socket = None
+
+
+def _mpi_rank_factory(forking) -> Optional[str]:
+    """The socket of tests/_mpi_rank.py's rank factory, started on first use as a child of the
+    fork server; None where ranks start fresh or the factory did not come up."""
+    global _mpi_rank_socket
+    if forking is None:
+        return None
+    if _mpi_rank_socket is None:
+        from tests import _mpi_rank
+        path = os.path.join(tempfile.mkdtemp(prefix="hvd_test_ranks_"), "factory")
+        listening = forking.Event()
+        forking.Process(target=_mpi_rank.serve, args=(path, listening), daemon=True).start()
+        _mpi_rank_socket = path if listening.wait(60) else ""
+    return _mpi_rank_socket or None
+
+
 class _ForkedRank:
     """A forked rank behind the part of subprocess.Popen's interface the harness uses."""
 
@@ -117,14 +136,27 @@ def _start_rank(argv, env, log, forking):
     return _ForkedRank(process)
 
 
+def _session_members(sid):
+    """The processes of session ``sid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid:
+                members.append(int(entry))
+    return members
+
+
 def _kill(proc):
-    """SIGKILL a rank's process group (its own session), or the rank alone when it has not
-    made one yet."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    """SIGKILL everything in a rank's or mpirun's session (each starts its own): mpirun puts
+    every rank in a process group of its own, and a rank it started must not outlive it."""
+    for pid in [proc.pid] + _session_members(proc.pid):
         try:
-            os.kill(proc.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
@@ -178,6 +210,9 @@ def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, 
     logs = []
     procs = []
     if backend == "mpi":
+        factory = _mpi_rank_factory(_forking())
+        if factory:
+            argv = [sys.executable, "-m", "tests._mpi_rank", factory] + argv[3:]
         env_all = dict(base_env, **extra)
         env_all.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
         env_all["OMPI_MCA_rmaps_base_oversubscribe"] = "1"
