@@ -122,7 +122,8 @@ def run_mpi(argv: Sequence[str], np: int, env: Optional[Dict[str, str]] = None,
 
 @contextlib.contextmanager
 def lab(hosts: int, rate: str):
-    """An emulated cluster from tools/netlab.sh, always taken down again (also on Ctrl-C)."""
+    """An emulated cluster from tools/netlab.sh, always taken down again (also on Ctrl-C).
+    ``rate``: a link rate ("1gbit"), or a rate and an added round trip ("100mbit+20ms")."""
     if os.geteuid() != 0:
         raise RuntimeError("the network lab needs root")
     if not os.path.exists(LAB):
@@ -130,7 +131,10 @@ def lab(hosts: int, rate: str):
     subprocess.run([LAB, "down"], check=False, capture_output=True)
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        rate, _, round_trip = rate.partition("+")
         subprocess.run([LAB, "up", str(hosts), rate], check=True, capture_output=True)
+        if round_trip:
+            subprocess.run([LAB, "delay", round_trip], check=True, capture_output=True)
         yield [f"nl-{i}" for i in range(hosts)]
     finally:
         subprocess.run([LAB, "down"], check=False, capture_output=True)
@@ -200,11 +204,20 @@ def run_collect(kind: str, argv: Sequence[str], np: int, env: Optional[Dict[str,
 
 
 # Two hosts, on loopback (ranks posing as hosts) or in the lab at a rate, with 1 or 2 ranks each:
-# the settings of the benchmarks that train across hosts.  name: (where, rate, ranks per host)
+# the settings of the benchmarks that train across hosts.  name: (where, rate, ranks per host);
+# a rate may carry an added round trip ("100mbit+20ms": a link within a region; "10mbit+100ms":
+# across continents).
 LINK_SETTINGS = {
     "loopback-2x1": ("loopback", None, 1), "loopback-2x2": ("loopback", None, 2),
     "lab-1gbit-2x1": ("lab", "1gbit", 1), "lab-1gbit-2x2": ("lab", "1gbit", 2),
-    "lab-100mbit-2x1": ("lab", "100mbit", 1), "lab-100mbit-2x2": ("lab", "100mbit", 2)}
+    "lab-100mbit-2x1": ("lab", "100mbit", 1), "lab-100mbit-2x2": ("lab", "100mbit", 2),
+    "lab-100mbit-20ms-2x1": ("lab", "100mbit+20ms", 1),
+    "lab-100mbit-20ms-2x2": ("lab", "100mbit+20ms", 2),
+    "lab-10mbit-100ms-2x1": ("lab", "10mbit+100ms", 1),
+    "lab-10mbit-100ms-2x2": ("lab", "10mbit+100ms", 2)}
+# What a benchmark runs unless told (--settings): the datacenter-like links.  The wide-area ones
+# take many times longer (a 10 Mbit/s step moves 100x slower) and are asked for by name.
+LAN_SETTINGS = [name for name, (_, rate, _) in LINK_SETTINGS.items() if "+" not in (rate or "")]
 
 
 def run_on(setting: str, argv: Sequence[str], env: Optional[Dict[str, str]] = None,

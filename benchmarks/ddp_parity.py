@@ -161,7 +161,7 @@ def main():
     if args.quick:
         args.steps, args.timed, args.reps = 8, 5, 2
     names = (args.settings.split(",") if args.settings else
-             [s for s, (where, _, _) in SETTINGS.items() if args.lab or where == "loopback"])
+             [s for s in _spawn.LAN_SETTINGS if args.lab or SETTINGS[s][0] == "loopback"])
     variants = [_variant(v) for v in args.variants.split(",")]
     report = {"variants": {v: VARIANT_ENV[v] for v in variants}, "models": args.models, "batch_per_rank": args.batch, "steps": args.steps,
               "timed": args.timed, "reps": args.reps, "settings": {}}

@@ -371,7 +371,8 @@ def run_setting(name, argv, args):
 def main():
     p = _spawn.parser(__doc__, "end_to_end.json")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--settings", default=",".join(SETTINGS), help=f"of {', '.join(SETTINGS)}")
+    p.add_argument("--settings", default=",".join(_spawn.LAN_SETTINGS),
+                   help=f"of {', '.join(SETTINGS)}")
     p.add_argument("--model", default="base", help="_models.bert_like size: tiny, base, large")
     p.add_argument("--batch", type=int, default=4, help="sequences of 128 tokens per rank")
     p.add_argument("--steps", type=int, default=3)
@@ -396,7 +397,7 @@ def main():
         return plot(_spawn.read_report(args.plot), stem)
     if args.quick:
         args.steps, args.warmup, args.syncs = 2, 1, 1
-        if args.settings == ",".join(SETTINGS):
+        if args.settings == ",".join(_spawn.LAN_SETTINGS):
             args.settings = QUICK_SETTINGS
     settings = _spawn.choices(p, args.settings, SETTINGS, "settings")
     methods = _spawn.choices(p, args.methods, METHODS, "methods")

@@ -43,7 +43,9 @@ Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
 2 x 2 runs ours hierarchically (HOROVOD_HIERARCHICAL_ALLREDUCE=1); DDP has no such mode.
 
 Settings: loopback-2x1 / 2x2 (localhost, unshaped: the "fast network"), and 2 emulated hosts of
-tools/netlab.sh (root) at 1 Gbit/s and 100 Mbit/s with 1 or 2 ranks each.  Each setting starts
+tools/netlab.sh (root) at 1 Gbit/s and 100 Mbit/s with 1 or 2 ranks each; by name only, links as
+the internet has them: 100 Mbit/s with 20 ms more round trip (lab-100mbit-20ms-2x1 / 2x2) and
+10 Mbit/s with 100 ms (lab-10mbit-100ms-2x1 / 2x2).  Each setting starts
 its ranks once; the methods take turns, repetition by repetition (``--reps``, seeds 1, 2, ...:
 initial weights and data order), so drift on this shared machine hits them alike.
 
@@ -579,7 +581,8 @@ def main():
     p.add_argument("--workload", default="cnn", choices=sorted(WORKLOADS))
     p.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
     p.add_argument("--lab", action="store_true",
-                   help="also the emulated hosts (root): every setting unless --settings")
+                   help="also the emulated hosts (root): every setting without added latency "
+                        "unless --settings")
     p.add_argument("--settings", help=f"of {', '.join(SETTINGS)} (default: loopback-2x1; "
                                       f"with --lab all)")
     p.add_argument("--reps", type=int, default=3)
@@ -631,7 +634,7 @@ def main():
         args.reps, args.steps = 1, min(args.steps, 100)
         if args.methods == ",".join(METHODS):
             args.methods = ",".join(QUICK_METHODS)
-    settings = _spawn.choices(p, args.settings or (",".join(SETTINGS) if args.lab
+    settings = _spawn.choices(p, args.settings or (",".join(_spawn.LAN_SETTINGS) if args.lab
                                                    else "loopback-2x1"), SETTINGS, "settings")
     methods = _spawn.choices(p, args.methods, METHODS + [m for m in args.methods.split(",")
                                                          if local_method(m)], "methods")

@@ -1,0 +1,119 @@
+"""The network lab's added round trip (tools/netlab.sh delay, tools/netlab_delay.py).
+
+The message parsing is checked on bytes built here; the delay itself on a real two-host lab
+(root, iproute2 and iptables-legacy), by timing TCP round trips between the namespaces with and
+without it.
+"""
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.harness import REPO
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+import netlab_delay  # noqa: E402
+
+LAB = os.path.join(REPO, "tools", "netlab.sh")
+# A prefix and subnet of their own, so a lab a user has up is left alone.
+LAB_ENV = dict(os.environ, NL_PREFIX="tnl", NL_SUBNET="10.203.0")
+
+
+def _queued_packet(packet_id, with_other_attr=True):
+    """A netlink NFQNL_MSG_PACKET message as the kernel sends it (header attribute not first)."""
+    attrs = b""
+    if with_other_attr:
+        attrs += netlab_delay._attr(9, b"\x00\x00\x05\xdc")      # NFQA_PAYLOAD-like filler
+    attrs += netlab_delay._attr(netlab_delay.NFQA_PACKET_HDR,
+                                struct.pack("!IHB", packet_id, 0x0800, 0))
+    body = netlab_delay._NFGENMSG.pack(socket.AF_INET, 0, socket.htons(7)) + attrs
+    kind = (netlab_delay.NFNL_SUBSYS_QUEUE << 8) | netlab_delay.NFQNL_MSG_PACKET
+    return netlab_delay._NLMSGHDR.pack(16 + len(body), kind, 0, 0, 0) + body
+
+
+@pytest.mark.timeout(10)
+def test_packet_ids_of_a_netlink_read():
+    data = _queued_packet(41) + _queued_packet(42, False) + _queued_packet(1 << 31)
+    assert netlab_delay.packet_ids(data) == [41, 42, 1 << 31]
+    # other messages (an ack) and a cut-off tail are skipped, not misread
+    ack = netlab_delay._NLMSGHDR.pack(20, netlab_delay.NLMSG_ERROR, 0, 0, 0) + b"\0" * 4
+    assert netlab_delay.packet_ids(ack + _queued_packet(7) + _queued_packet(8)[:20]) == [7]
+
+
+def _lab_missing():
+    if os.geteuid() != 0:
+        return "the network lab needs root"
+    for tool in ("ip", "iptables-legacy"):
+        if shutil.which(tool) is None:
+            return f"the network lab's delay needs {tool} (apt-get install iproute2 iptables)"
+    return None
+
+
+def _lab(*args):
+    subprocess.run([LAB, *args], env=LAB_ENV, check=True, timeout=60,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+ECHO_SERVER = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 5601)); s.listen(1); print("listening", flush=True)
+c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    d = c.recv(64)
+    if not d: break
+    c.sendall(d)
+"""
+
+ECHO_CLIENT = """
+import socket, time
+c = socket.create_connection(("10.203.0.2", 5601), timeout=10)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(9):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(64); rtts.append(time.perf_counter() - t)
+print(sorted(rtts)[4] * 1000)
+"""
+
+
+def _median_rtt_ms():
+    server = subprocess.Popen(["ip", "netns", "exec", "tnl-1", sys.executable, "-c", ECHO_SERVER],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        out = subprocess.run(["ip", "netns", "exec", "tnl-0", sys.executable, "-c", ECHO_CLIENT],
+                             check=True, timeout=30, capture_output=True, text=True).stdout
+        return float(out)
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.timeout(120)
+def test_delay_adds_the_round_trip_and_zero_removes_it():
+    missing = _lab_missing()
+    if missing:
+        pytest.skip(missing)
+    _lab("down")
+    try:
+        _lab("up", "2", "1gbit")
+        with pytest.raises(subprocess.CalledProcessError) as bad:
+            _lab("delay", "fast")
+        assert "bad round-trip time fast" in bad.value.stdout.decode()
+        before = _median_rtt_ms()
+        _lab("delay", "30ms")
+        delayed = _median_rtt_ms()
+        _lab("delay", "0")
+        after = _median_rtt_ms()
+    finally:
+        _lab("down")
+    assert before < 5, before
+    assert 30 <= delayed < 45, delayed
+    assert after < 5, after
+    # the daemon is gone with the lab, and no rule is left to hold packets
+    assert not os.path.exists("/run/netlab-tnl-delay.pid")
