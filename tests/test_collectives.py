@@ -244,3 +244,29 @@ def test_topology_from_hostnames(backend):
     out = run_ranks(body_topology, 3, backend, hostnames=["a", "a", "b"])
     assert [o["local_size"] for o in out] == [2, 2, 1]
     assert not any(o["homogeneous"] for o in out)
+
+
+def body_two_rank_sum_bits():
+    """Random floats of every width summed by two ranks, small and large (a Gloo pair sums small
+    ones by one exchange of whole tensors, large ones by Gloo's ring): the exact a + b of the
+    two inputs, the same bits on both."""
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    for dtype in FLOATS:
+        for numel in (7, 1 << 18, 3 << 20):
+            data = [torch.randn(numel, generator=torch.Generator().manual_seed(11 * k + numel))
+                    .mul(1e3).to(dtype) for k in range(2)]
+            got = hvd.allreduce(data[r], op=hvd.Sum, name=f"bits.{dtype}.{numel}")
+            assert torch.equal(got, data[0] + data[1]), (dtype, numel)
+            mean = hvd.allreduce(data[r], op=hvd.Average, name=f"mean.{dtype}.{numel}")
+            torch.testing.assert_close(mean, (data[0] + data[1]) / 2)
+            for result in (got, mean):   # rank 1 holds rank 0's bits
+                theirs = hvd.broadcast(result, root_rank=0)
+                assert torch.equal(result.view(torch.uint8), theirs.view(torch.uint8)), dtype
+    return "ok"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_sum_to_the_same_exact_bits(backend):
+    assert run_ranks(body_two_rank_sum_bits, 2, backend) == ["ok", "ok"]
