@@ -100,10 +100,7 @@ def main():
               f"({', '.join('%.1f' % s['mbit_s'] for s in samples)})", flush=True)
     report = dict(_spawn.provenance(), benchmark="lab_links", reps=args.reps, links=rows,
                   when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    _spawn.write_report(args.out, report)
 
 
 if __name__ == "__main__":

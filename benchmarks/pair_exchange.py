@@ -104,10 +104,7 @@ def main():
             ring, exch = statistics.median(row["ring_ms"]), statistics.median(row["exchange_ms"])
             print(f"{_spawn.human(row['bytes']):>10} {ring:9.3f} {exch:12.3f} {exch / ring:6.2f}",
                   flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out}")
+    _spawn.write_report(args.out, report)
 
 
 if __name__ == "__main__":
