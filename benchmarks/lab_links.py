@@ -58,15 +58,16 @@ print(json.dumps({{"rtt_ms": sorted(rtts)[10] * 1000, "mbit_s": received * 8 / s
 """
 
 
-def measure(megabytes):
-    """Round trip and throughput from lab host 0 to host 1, once."""
-    server = subprocess.Popen(["ip", "netns", "exec", "nl-1", sys.executable, "-c", SERVER],
+def measure(megabytes, hosts=("nl-0", "nl-1"), address="10.200.0.2"):
+    """Round trip and throughput from lab host ``hosts[0]`` to ``hosts[1]`` (at ``address``),
+    once: {"rtt_ms", "mbit_s"}."""
+    server = subprocess.Popen(["ip", "netns", "exec", hosts[1], sys.executable, "-c", SERVER],
                               stdout=subprocess.PIPE, text=True)
     try:
         if server.stdout.readline().strip() != "listening":
             raise RuntimeError("the lab's server did not start")
-        out = subprocess.run(["ip", "netns", "exec", "nl-0", sys.executable, "-c", CLIENT,
-                              "10.200.0.2", str(megabytes)],
+        out = subprocess.run(["ip", "netns", "exec", hosts[0], sys.executable, "-c", CLIENT,
+                              address, str(megabytes)],
                              check=True, timeout=600, capture_output=True, text=True).stdout
         return json.loads(out)
     finally:

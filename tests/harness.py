@@ -154,7 +154,7 @@ def _session_members(sid):
 def _kill(proc):
     """SIGKILL everything in a rank's or mpirun's session (each starts its own): mpirun puts
     every rank in a process group of its own, and a rank it started must not outlive it."""
-    for pid in [proc.pid] + _session_members(proc.pid):
+    for pid in {proc.pid, *_session_members(proc.pid)}:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

@@ -2,7 +2,7 @@
 
 The message parsing is checked on bytes built here; the delay itself on a real two-host lab
 (root, iproute2 and iptables-legacy), by timing TCP round trips between the namespaces with and
-without it.
+without it (benchmarks/lab_links.py's measurement).
 """
 import os
 import shutil
@@ -10,7 +10,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -18,6 +17,9 @@ from tests.harness import REPO
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 import netlab_delay  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import lab_links  # noqa: E402  (it takes benchmarks/ off sys.path again)
 
 LAB = os.path.join(REPO, "tools", "netlab.sh")
 # A prefix and subnet of their own, so a lab a user has up is left alone.
@@ -72,50 +74,19 @@ def _lab_or_skip(*args):
     except subprocess.CalledProcessError as failure:
         said = failure.stdout.decode(errors="replace")
         if any(m in said for m in MISSING_FROM_KERNEL):
-            pytest.skip(f"this kernel or container cannot run the lab's {args[0]}: {said[-300:]}")
+            pytest.skip(reason=f"this kernel or container cannot run the lab's {args[0]}: "
+                               f"{said[-300:]}")
         raise
 
 
-ECHO_SERVER = """
-import socket
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 5601)); s.listen(1); print("listening", flush=True)
-c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-while True:
-    d = c.recv(64)
-    if not d: break
-    c.sendall(d)
-"""
-
-ECHO_CLIENT = """
-import socket, time
-c = socket.create_connection(("10.203.0.2", 5601), timeout=10)
-c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-rtts = []
-for _ in range(9):
-    t = time.perf_counter(); c.sendall(b"x"); c.recv(64); rtts.append(time.perf_counter() - t)
-print(sorted(rtts)[4] * 1000)
-"""
-
-
 def _median_rtt_ms():
-    server = subprocess.Popen(["ip", "netns", "exec", "tnl-1", sys.executable, "-c", ECHO_SERVER],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout.readline().strip() == "listening"
-        out = subprocess.run(["ip", "netns", "exec", "tnl-0", sys.executable, "-c", ECHO_CLIENT],
-                             check=True, timeout=30, capture_output=True, text=True).stdout
-        return float(out)
-    finally:
-        server.kill()
-        server.wait()
+    """lab_links' measurement (TCP round trips, then 1 MiB of bulk) between this test's hosts."""
+    return lab_links.measure(1, hosts=("tnl-0", "tnl-1"), address="10.203.0.2")["rtt_ms"]
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(_lab_missing() is not None, reason=str(_lab_missing()))
 def test_delay_adds_the_round_trip_and_zero_removes_it():
-    missing = _lab_missing()
-    if missing:
-        pytest.skip(missing)
     _lab("down")
     try:
         _lab_or_skip("up", "2", "1gbit")

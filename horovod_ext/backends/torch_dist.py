@@ -35,10 +35,11 @@ _WAIT_SLICE = datetime.timedelta(milliseconds=100)   # how soon a blocked call s
 _ABANDONED = []   # aborted Gloo groups, never destroyed (see the module's docstring)
 
 # Two ranks sum buffers up to this size by one exchange (_exchange_sum).  Measured between two
-# lab hosts (benchmarks/pair_exchange.py, docs/benchmarks/pair_exchange.json), exchange / ring:
-# from 1 KiB to 1 MiB with 20 ms more round trip 0.50-0.59 at 1 Gbit/s (21-30 ms against 43-50 ms)
-# and 0.50-0.87 at 100 Mbit/s, and 0.43-1.04 at 1 Gbit/s and 100 Mbit/s without; from 4 MiB up without added latency the ring was up to
-# 5% faster (it overlaps its sums with the transfers), so larger buffers keep it.
+# lab hosts (benchmarks/pair_exchange.py, docs/benchmarks/pair_exchange.json), exchange / ring
+# from 1 KiB to 1 MiB: with 20 ms more round trip 0.50-0.59 at 1 Gbit/s (21-30 ms against
+# 43-50 ms) and 0.50-0.87 at 100 Mbit/s; without it 0.43-1.04 at 1 Gbit/s and 100 Mbit/s.  From
+# 4 MiB up without added latency the ring was up to 5% faster (it overlaps its sums with the
+# transfers), so larger buffers keep it.
 _EXCHANGE_MAX_BYTES = 1 << 20
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
