@@ -36,7 +36,9 @@ Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
   sparseloco_h50     hvd.DiLoCo(Adam, sync_every=50, outer lr 1, no outer momentum,
                      op=hvd.SparseLoCo()): 1/64 of each 4096-element chunk at 2 bits, error
                      feedback decayed by 0.95 (SparseLoCo's settings)
-  variants           diloco_h<H>[_onebit|_sparseloco[_d<density>]][_lr<outer lr>]
+  ..._q8/_q4/_q2     op=hvd.Quantized(bits=8 / 4 / 2): the pseudo-gradient as codes of that
+                     many bits with a float32 scale every 256 elements
+  variants           diloco_h<H>[_onebit|_sparseloco[_d<density>]|_q8|_q4|_q2][_lr<outer lr>]
                      [_m<outer momentum>][_warm<inner warm-up steps>], e.g. diloco_h50_lr1_m0
                      (local SGD): any H and outer settings, for sweeps; listed after the
                      methods above
@@ -234,14 +236,16 @@ def build(method, net, args, total, seed, per_node):
                               total_steps=total, **lamb)
     local = local_method(method)
     if local is not None:
-        op = {"": hvd.Average, "onebit": hvd.OneBit,
-              "sparseloco": hvd.SparseLoCo(density=local["density"])}[local["op"]]
+        op = {"": lambda: hvd.Average, "onebit": lambda: hvd.OneBit,
+              "sparseloco": lambda: hvd.SparseLoCo(density=local["density"]),
+              "q8": lambda: hvd.Quantized(bits=8), "q4": lambda: hvd.Quantized(bits=4),
+              "q2": lambda: hvd.Quantized(bits=2)}[local["op"]]()
         return net, hvd.DiLoCo(adam(), named_parameters=named, sync_every=local["every"], op=op,
                                outer_lr=local["outer_lr"], outer_momentum=local["momentum"])
     raise ValueError(f"unknown method {method!r}")
 
 
-LOCAL_METHOD = re.compile(r"diloco_h(\d+)(?:_(onebit|sparseloco)(?:_d([\d.]+))?)?"
+LOCAL_METHOD = re.compile(r"diloco_h(\d+)(?:_(onebit|sparseloco|q8|q4|q2)(?:_d([\d.]+))?)?"
                           r"(?:_lr([\d.]+))?(?:_m([\d.]+))?(?:_warm(\d+))?")
 
 

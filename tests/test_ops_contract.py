@@ -25,7 +25,8 @@ def test_elementwise_ops_declare_their_reduction_and_finish():
     assert torch.equal(hvd.Average.finish_(torch.tensor([7, -7, 3]), 3),
                        torch.tensor([2, -2, 1]))
     assert torch.equal(hvd.Sum.finish_(summed.clone(), 3), summed)
-    for op in (hvd.Adasum, hvd.OneBit, hvd.RandomK(0.5), hvd.PowerSGD(rank=1), hvd.SparseLoCo()):
+    for op in (hvd.Adasum, hvd.OneBit, hvd.RandomK(0.5), hvd.PowerSGD(rank=1), hvd.SparseLoCo(),
+               hvd.Quantized()):
         assert not op.elementwise and op.reduce_op is None
         assert op.timeline_name == op.name.upper()
     assert hvd.Sum.timeline_name == "ALLREDUCE"
@@ -38,7 +39,7 @@ def test_only_adasum_asks_for_delta_mode_and_only_with_optimizer_state():
     adam = torch.optim.Adam(p)
     assert [hvd.Adasum.wants_delta(o) for o in (plain, momentum, adam)] == [False, True, True]
     for op in (hvd.Sum, hvd.Average, hvd.OneBit, hvd.RandomK(0.5), hvd.PowerSGD(rank=1),
-               hvd.SparseLoCo()):
+               hvd.SparseLoCo(), hvd.Quantized()):
         assert not any(op.wants_delta(o) for o in (plain, momentum, adam)), op
 
 

@@ -98,17 +98,19 @@ def body_op():
     return out, alone, op.bytes_sent, refused, resumed_bitwise
 
 
-def _simulate(size):
-    """Every rank's error feedback and messages, step by step: the mean of what they stand for."""
+def _simulate(size, compress=None, decay=SETTINGS["error_decay"], steps=STEPS):
+    """Every rank's error feedback and messages, step by step: the mean of what they stand for
+    (``compress``: what a message of a tensor stands for; SETTINGS' top-k when None)."""
+    compress = compress or (lambda e: ref_compress(e, SETTINGS["density"], SETTINGS["bits"],
+                                                   SETTINGS["chunk"]))
     errors = [[torch.zeros(s) for s in SHAPES] for _ in range(size)]
     results = []
-    for step in range(STEPS):
+    for step in range(steps):
         sent = [[None] * len(SHAPES) for _ in range(size)]
         for r in range(size):
             for i, x in enumerate(_tensors(r, step)):
-                errors[r][i] = SETTINGS["error_decay"] * errors[r][i] + x
-                sent[r][i] = ref_compress(errors[r][i], SETTINGS["density"], SETTINGS["bits"],
-                                          SETTINGS["chunk"]).reshape(x.shape)
+                errors[r][i] = decay * errors[r][i] + x
+                sent[r][i] = compress(errors[r][i]).reshape(x.shape)
                 errors[r][i] = errors[r][i] - sent[r][i]
         results.append([sum(sent[r][i] for r in range(size)) / size for i in range(len(SHAPES))])
     return results

@@ -13,3 +13,4 @@ from .onebit import OneBit
 from .randomk import RandomK
 from .powersgd import PowerSGD
 from .sparseloco import SparseLoCo
+from .quantized import Quantized

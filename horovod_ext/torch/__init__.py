@@ -36,8 +36,9 @@ from horovod_ext.algorithms.slamb import SLAMB
 from horovod_ext.algorithms.lamb import Lamb
 from horovod_ext.ops.randomk import RandomK
 from horovod_ext.ops.powersgd import PowerSGD
-# SparseLoCo's compressed average (for DiLoCo's outer step)
+# compressed averages for DiLoCo's outer step: SparseLoCo's top-k, the chunked quantiser
 from horovod_ext.ops.sparseloco import SparseLoCo
+from horovod_ext.ops.quantized import Quantized
 from .diloco import DiLoCo
 from . import elastic
 from .elastic import HostsUpdatedInterrupt

@@ -3,11 +3,10 @@ SparseLoCo", https://arxiv.org/abs/2508.15706): top-k of each chunk of a tensor,
 quantised to a few bits, with error feedback; the ranks' compressed tensors are gathered and
 averaged.
 
-``compress``: the chunked top-k and its quantiser, as bytes (``ChunkTopK``); ``average``: the
-error-fed average over the ranks of a communicator.  Written against
+``compress``: the chunked top-k and its quantiser, as bytes (``ChunkTopK``); the error-fed
+average over the ranks of a communicator is ``algorithms.compressed_average``.  Written against
 ``horovod_ext.backends.Communicator`` only; the registry op ``hvd.SparseLoCo`` wraps it.
 """
-from .average import ErrorFeedback, sparse_average_
 from .compress import ChunkTopK
 
-__all__ = ["ChunkTopK", "ErrorFeedback", "sparse_average_"]
+__all__ = ["ChunkTopK"]

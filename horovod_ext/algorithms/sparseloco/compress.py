@@ -26,11 +26,13 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from horovod_ext.algorithms.codes import ByteCompressor, pack_codes, unpack_codes
+
 BITS = (2, 4, 8)
 
 
 @dataclass(frozen=True)
-class ChunkTopK:
+class ChunkTopK(ByteCompressor):
     density: float = 1 / 64
     chunk: int = 4096
     bits: int = 2
@@ -84,25 +86,19 @@ class ChunkTopK:
         index = where.to(torch.uint8 if self._index_bytes(size) == 1 else torch.int16)
         padding = torch.zeros(self._parts(x.numel())[3], dtype=torch.uint8, device=x.device)
         return torch.cat([torch.stack([low, high], dim=1).reshape(-1).view(torch.uint8),
-                          index.reshape(-1).view(torch.uint8), _pack(codes.view(-1), self.bits),
+                          index.reshape(-1).view(torch.uint8),
+                          pack_codes(codes.view(-1), self.bits),
                           padding])
 
-    def decompress(self, message: torch.Tensor, numel: int, out: torch.Tensor = None,
-                   add: bool = False) -> torch.Tensor:
-        """The float32 tensor of ``numel`` elements that ``message`` stands for; written into
-        (``add``: added to) the 1-D ``out`` when given."""
-        if out is None:
-            out = torch.zeros(numel, dtype=torch.float32, device=message.device)
-            add = True
-        if numel == 0:
-            return out
+    def _dense(self, message: torch.Tensor, numel: int) -> torch.Tensor:
         size, chunks, k = self.layout(numel)
         scale_bytes, index_bytes, code_bytes, _ = self._parts(numel)
         scales = message[:scale_bytes].view(torch.float32).view(chunks, 2)
         index = message[scale_bytes:scale_bytes + index_bytes]
         index = (index.long() if self._index_bytes(size) == 1
                  else index.view(torch.int16).long() & 0xFFFF).view(chunks, k)
-        codes = _unpack(message[scale_bytes + index_bytes:][:code_bytes], self.bits, chunks * k)
+        codes = unpack_codes(message[scale_bytes + index_bytes:][:code_bytes], self.bits,
+                             chunks * k)
         low, high = scales[:, :1], scales[:, 1:]
         levels = 1 << (self.bits - 1)
         magnitude = low + ((codes & (levels - 1)).float().view(chunks, k) + 0.5) * (
@@ -111,24 +107,5 @@ class ChunkTopK:
                              magnitude)
         rows = torch.zeros(chunks, size, dtype=torch.float32, device=message.device)
         rows.scatter_(1, index, values)
-        dense = rows.view(-1)[:numel].to(out.dtype)
-        return out.add_(dense) if add else out.copy_(dense)
-
-
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``bits``-bit codes (uint8), 8 / bits to a byte, the first in the lowest bits."""
-    per = 8 // bits
-    if per == 1:
-        return codes
-    padded = F.pad(codes, (0, -len(codes) % per)).view(-1, per)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (padded << shifts).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    per = 8 // bits
-    if per == 1:
-        return packed[:count]
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
+        return rows.view(-1)[:numel]
 

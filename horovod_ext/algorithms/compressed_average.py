@@ -1,11 +1,13 @@
-"""The error-fed compressed average of SparseLoCo over the ranks of a communicator.
+"""The error-fed compressed average over the ranks of a communicator, for any
+``codes.ByteCompressor`` (SparseLoCo's chunked top-k, the chunked quantiser).
 
 For each tensor x (a layer, or the part of one a rank reduces) with its error e:
 e = decay * e + x; the message m = compress(e); e = e - decompress(m); and the result is the
 mean over ranks of decompress(m_r).  All of a call's messages travel in one allgather (their
 lengths depend only on the tensors' sizes, so every rank's are alike); every rank adds the
-ranks' values in rank order, so all hold the same bits.  ``decay`` < 1 is the paper's error
-feedback with its decay, which takes the place of the outer momentum; 1 keeps every error.
+ranks' values in rank order, so all hold the same bits.  ``decay`` < 1 is SparseLoCo's error
+feedback with its decay, which takes the place of the outer momentum; 1 keeps every error, and 0
+keeps none (plain compression).
 """
 import itertools
 from typing import Dict, Hashable, List, Sequence, Tuple
@@ -14,7 +16,7 @@ import torch
 
 from horovod_ext.backends.base import Communicator
 
-from .compress import ChunkTopK
+from .codes import ByteCompressor
 
 
 class ErrorFeedback:
@@ -38,21 +40,19 @@ def _hashable(key):
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
-def sparse_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]], feedback: ErrorFeedback,
-                    comm: Communicator, config: ChunkTopK, decay: float) -> None:
+def compressed_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]],
+                        feedback: ErrorFeedback, comm: Communicator, config: ByteCompressor,
+                        decay: float) -> None:
     """Replace each 1-D float tensor of ``tensors`` ((key, tensor) pairs) by the mean over the
     ranks of ``comm`` of their compressed, error-fed values, in place."""
     messages: List[torch.Tensor] = []
     sent: List[torch.Tensor] = []   # what this rank's messages stand for, decompressed once
     for key, x in tensors:
-        error = feedback.errors.get(key)
-        if error is None or error.shape != x.shape:
-            error = feedback.errors[key] = torch.zeros_like(
-                x, dtype=torch.promote_types(x.dtype, torch.float32))
-        error.mul_(decay).add_(x)
+        error = _error_fed(feedback, key, x, decay)
         message = config.compress(error)
         sent.append(config.decompress(message, x.numel()))
-        error.sub_(sent[-1])
+        if decay:
+            error.sub_(sent[-1])
         messages.append(message)
     mine = torch.cat(messages) if messages else torch.empty(0, dtype=torch.uint8)
     feedback.bytes_sent += mine.numel()
@@ -69,3 +69,16 @@ def sparse_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]], feedback: 
             else:
                 config.decompress(row[start:start + len(message)], x.numel(), out=x, add=True)
         x.div_(comm.size)
+
+
+def _error_fed(feedback: ErrorFeedback, key: Hashable, x: torch.Tensor,
+               decay: float) -> torch.Tensor:
+    """``decay * error + x``, the error kept under ``key``; with ``decay`` 0 just ``x`` (no error
+    is kept: plain compression holds no copy of the tensors)."""
+    if not decay:
+        return x
+    error = feedback.errors.get(key)
+    if error is None or error.shape != x.shape:
+        error = feedback.errors[key] = torch.zeros_like(
+            x, dtype=torch.promote_types(x.dtype, torch.float32))
+    return error.mul_(decay).add_(x)
