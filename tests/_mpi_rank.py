@@ -7,9 +7,11 @@ SOCKET MODULE FUNCTION RESULT_DIR``, which imports only the standard library: it
 environment, working directory and output to the rank factory listening on SOCKET and waits.
 The factory (``serve``, a child of the harness's fork server, so torch is already imported)
 forks a child that takes exactly that environment, which makes it the MPI rank mpirun started,
-and runs ``tests._worker.main``.  The stub exits with the child's exit code, so mpirun sees the
-rank end as it ended; when the stub dies (mpirun aborting, the harness killing the job), the
-factory kills the child.  A stub that cannot reach the factory runs the rank itself.
+and runs ``tests._worker.main``; with ``--script PATH ARGS...`` the stub stands for a program
+instead (hvdrun's workers in the elastic tests).  The stub exits with the child's exit code (or
+dies of the child's signal), so mpirun sees the rank end as it ended; when the stub dies (mpirun
+aborting, the harness killing the job), the factory kills the child.  A stub that cannot reach
+the factory runs the rank itself.
 """
 import ctypes
 import os
@@ -34,17 +36,22 @@ def _read_exact(sock, n):
     return data
 
 
-def stub_main(socket_path, module_name, func_name, result_dir):
-    """What mpirun runs as the rank: ask the factory for the rank, exit as it exits."""
-    request = pickle.dumps((module_name, func_name, result_dir, dict(os.environ), os.getcwd()))
+def stub_main(socket_path, *what):
+    """What mpirun (or hvdrun) runs as the rank: ask the factory for the rank, end as it ends.
+    ``what``: MODULE FUNCTION RESULT_DIR (a test body, as ``tests._worker`` runs it), or
+    ``--script PATH ARGS...`` (a program, as ``python PATH ARGS...`` runs it)."""
+    if what[0] == "--script":
+        job, fallback = ("script", what[1:]), list(what[1:])
+    else:
+        job, fallback = ("body", what[:3]), ["-m", "tests._worker", *what[:3]]
+    request = pickle.dumps((job, dict(os.environ), os.getcwd()))
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(socket_path)
         socket.send_fds(sock, [_HEADER.pack(len(request))], [1, 2])
         sock.sendall(request)
     except OSError:
-        os.execv(sys.executable, [sys.executable, "-m", "tests._worker",
-                                  module_name, func_name, result_dir])
+        os.execv(sys.executable, [sys.executable, *fallback])
     reply = b""
     while len(reply) < _EXIT.size:
         chunk = sock.recv(_EXIT.size - len(reply))
@@ -52,6 +59,10 @@ def stub_main(socket_path, module_name, func_name, result_dir):
             sys.exit(1)   # the factory went away without reporting: the rank did not finish
         reply += chunk
     code = _EXIT.unpack(reply)[0]
+    if code < 0:   # killed by a signal: so is the stub, for whoever waits on it
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
     sys.exit(code if code >= 0 else 128 - code)
 
 
@@ -64,12 +75,15 @@ def _run_rank(conn_fds, request, out_fds):
         # PR_SET_PDEATHSIG: a rank outlives neither the factory nor, through it, its stub
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        module_name, func_name, result_dir, env, cwd = pickle.loads(request)
+        (kind, args), env, cwd = pickle.loads(request)
         os.chdir(cwd)
         from tests._worker import become_rank, main
         become_rank(env, out_fds[0], out_fds[1])
-        main(module_name, func_name, result_dir)
-        code = 0
+        if kind == "script":
+            code = _run_script(args)
+        else:
+            main(*args)
+            code = 0
     finally:
         import atexit
         atexit._run_exitfuncs()
@@ -79,6 +93,25 @@ def _run_rank(conn_fds, request, out_fds):
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Finalize()
         os._exit(code)
+
+
+def _run_script(argv):
+    """Run ``python argv[0] argv[1:]``'s program in this process; its exit code."""
+    import runpy
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:   # noqa: BLE001  (reported as the interpreter would)
+        import traceback
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def _accept(listener, children):
@@ -144,4 +177,4 @@ def serve(socket_path, listening):
 
 
 if __name__ == "__main__":
-    stub_main(*sys.argv[1:5])
+    stub_main(*sys.argv[1:])

@@ -22,12 +22,23 @@ SAMPLES, BATCH = 288, 12
 def elastic_run(tmp_path, hosts, flags, epochs, step_s, kills="", timeout=150, env=None):
     (tmp_path / "hosts").write_text("".join(f"{h}\n" for h in hosts))
     cmd = [HVDRUN, *flags, "--host-discovery-script", f"cat {tmp_path / 'hosts'}",
-           sys.executable, TRAIN, str(tmp_path), str(SAMPLES), str(epochs), str(BATCH),
+           *worker_command(), TRAIN, str(tmp_path), str(SAMPLES), str(epochs), str(BATCH),
            str(step_s)] + ([kills] if kills else [])
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
                           env=dict(os.environ, **(env or {})))
     return proc, time.monotonic() - started
+
+
+def worker_command():
+    """How hvdrun starts the training program: through tests/_mpi_rank.py's stub, which has it
+    forked from the warm fork server (a new interpreter spends seconds importing torch), or as
+    a new interpreter where that server is off."""
+    from tests import harness
+    factory = harness._mpi_rank_factory(harness._forking())
+    if factory:
+        return [sys.executable, "-m", "tests._mpi_rank", factory, "--script"]
+    return [sys.executable]
 
 
 def result(tmp_path):
