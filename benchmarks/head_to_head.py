@@ -480,15 +480,16 @@ def derived(report) -> dict:
         if not setting.startswith("lab-"):
             continue
         loop = medians.get("loopback-" + setting.rsplit("-", 1)[1], {}).get("average", {})
-        base, avg = loop.get("to_target_s"), rows.get("average", {})
+        base, avg = loop.get("to_target_s"), rows.get("average") or loop
+        avg_bytes = _average_bytes_to_target(report, setting, rows.get("average"), loop)
         per = out[setting] = {}
         for method, m in rows.items():
             per[method] = {
                 "penalty": m["to_target_s"] / base if m["to_target_s"] and base else None,
-                "fewer_bytes": (avg["nic_bytes_to_target"] / m["nic_bytes_to_target"]
-                                if m["nic_bytes_to_target"] and avg.get("nic_bytes_to_target")
-                                else None),
-                "final_vs_average": scale * (m["final"] - avg["final"]) if avg else None}
+                "fewer_bytes": (avg_bytes / m["nic_bytes_to_target"]
+                                if m["nic_bytes_to_target"] and avg_bytes else None),
+                "final_vs_average": (scale * (m["final"] - avg["final"])
+                                     if avg.get("final") is not None else None)}
             hook = rows.get("ddp_" + method)
             if method.startswith("powersgd") and hook:
                 per[method]["throughput_vs_hook"] = m["samples_per_s"] / hook["samples_per_s"]
@@ -496,23 +497,54 @@ def derived(report) -> dict:
     return {"medians": medians, "against": out}
 
 
+def _average_bytes_to_target(report, setting, lab_average, loop_average):
+    """Average's wire bytes to the target on ``setting``: measured when Average ran there, else
+    its wire bytes a step from an earlier report (``--average-wire-from``; that link, else
+    another with as many hosts and ranks) times the steps it took to the target on loopback
+    (the same steps: a run is deterministic for its seed)."""
+    if lab_average:
+        return lab_average.get("nic_bytes_to_target")
+    known = report.get("average_wire_bytes_per_step", {})
+    layout = setting.rsplit("-", 1)[1]   # the bytes a step depend on hosts x ranks, not the link
+    per_step = known.get(setting) or next(
+        (v for k, v in sorted(known.items()) if k.endswith("-" + layout)), None)
+    steps = loop_average.get("to_target_step")
+    return per_step * steps if per_step and steps else None
+
+
+def average_wire_per_step(path) -> dict:
+    """{lab setting: Average's wire bytes a step} from the report at ``path`` (median over its
+    repetitions of the whole run's bytes over its steps)."""
+    report = _spawn.read_report(path)
+    out = {}
+    for setting in report["settings"]:
+        runs = [r for r in setting["runs"]
+                if r["method"] == "average" and r["evals"][-1]["nic_bytes"]]
+        if runs:
+            out[setting["setting"]] = statistics.median(
+                r["evals"][-1]["nic_bytes"] / r["evals"][-1]["step"] for r in runs)
+    return out
+
+
 def comparisons(report) -> str:
     """``derived``'s comparisons as markdown tables, one per lab setting."""
     unit = "pp" if report["workload"] == "cnn" else "bits/byte"
     lines = []
     for setting, rows in derived(report)["against"].items():
-        if "average" not in rows:
+        tabled = any(r["penalty"] or r["fewer_bytes"] for r in rows.values())
+        if not tabled:
             lines.append(f"\n**{setting}**")
         else:
             lines += [f"\n**{setting}**: against Average (penalty: time to target over Average's "
                       f"on loopback)", "", "| method | slow-link penalty | wire bytes to target "
                       f"| final vs Average ({unit}) |", "|---|---|---|---|"]
-        for method in [m for m in method_order(rows) if "average" in rows]:
+        for method in method_order(rows) if tabled else []:
             r = rows[method]
             penalty = f"{r['penalty']:.2f}x" if r["penalty"] else "not reached"
             fewer = ("-" if not r["fewer_bytes"] else f"{r['fewer_bytes']:.1f}x fewer"
                      if r["fewer_bytes"] >= 1 else f"{1 / r['fewer_bytes']:.1f}x more")
-            lines.append(f"| {method} | {penalty} | {fewer} | {r['final_vs_average']:+.2f} |")
+            final = ("-" if r["final_vs_average"] is None else f"{r['final_vs_average']:+.2f}")
+            lines.append(f"| {method} | {penalty} | {fewer} | {final} |")
         for method in [m for m in METHODS if "throughput_vs_hook" in rows.get(m, {})]:
             r = rows[method]
             lines.append(f"\n{method} against ddp_{method}: throughput "
@@ -614,6 +646,12 @@ def main():
     p.add_argument("--count-nic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier report")
     p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's tables")
+    p.add_argument("--loopback-only", default="", metavar="METHODS",
+                   help="of --methods, those run on the loopback settings only (the reference "
+                        "of a long run over slow lab links)")
+    p.add_argument("--average-wire-from", metavar="JSON",
+                   help="an earlier report with Average on the lab settings: its wire bytes a "
+                        "step stand in for Average's where --loopback-only keeps it off them")
     p.add_argument("--derive", metavar="JSON",
                    help="only recompute an earlier report's medians and comparisons, in place")
     args = p.parse_args()
@@ -654,7 +692,10 @@ def main():
                  "target", "period",
                  "adam_lr", "adam_eps", "lamb_lr", "lamb_eps", "warmup_fraction",
                  "lm_held_out", "data_dir")
-    argv = [os.path.abspath(__file__), "--worker", "--methods", ",".join(methods)]
+    loopback_only = set(filter(None, args.loopback_only.split(",")))
+    if loopback_only - set(methods):
+        p.error(f"--loopback-only {sorted(loopback_only - set(methods))} not in --methods")
+    argv = [os.path.abspath(__file__), "--worker"]
     for key in forwarded:
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     report = {"workload": args.workload, "quality": defaults["quality"],
@@ -662,11 +703,15 @@ def main():
               "reps": args.reps, "steps": args.steps, "global_batch": args.global_batch,
               "options": {k: getattr(args, k) for k in forwarded if k != "data_dir"},
               "settings": []}
+    if args.average_wire_from:
+        report["average_wire_bytes_per_step"] = average_wire_per_step(args.average_wire_from)
+        report["average_wire_from"] = args.average_wire_from
     start = time.monotonic()
     print(f"{args.workload}: {len(settings)} settings x {len(methods)} methods x {args.reps} "
           f"repetitions, {args.steps} steps of {args.global_batch} samples", flush=True)
     for name in _spawn.by_link_rate(settings, lambda name: SETTINGS[name][1]):
-        res = run_setting(name, argv, args)
+        here = [m for m in methods if SETTINGS[name][0] != "lab" or m not in loopback_only]
+        res = run_setting(name, argv + ["--methods", ",".join(here)], args)
         report["data"], report["params"] = res["data"], res["params"]
         report["settings"].append({"setting": name, "rate": SETTINGS[name][1], "np": res["np"],
                                    "ranks_per_node": SETTINGS[name][2], "runs": res["runs"]})
