@@ -649,6 +649,8 @@ def main():
     p.add_argument("--loopback-only", default="", metavar="METHODS",
                    help="of --methods, those run on the loopback settings only (the reference "
                         "of a long run over slow lab links)")
+    p.add_argument("--lab-only", default="", metavar="METHODS",
+                   help="of --methods, those run on the lab settings only")
     p.add_argument("--average-wire-from", metavar="JSON",
                    help="an earlier report with Average on the lab settings: its wire bytes a "
                         "step stand in for Average's where --loopback-only keeps it off them")
@@ -692,9 +694,11 @@ def main():
                  "target", "period",
                  "adam_lr", "adam_eps", "lamb_lr", "lamb_eps", "warmup_fraction",
                  "lm_held_out", "data_dir")
-    loopback_only = set(filter(None, args.loopback_only.split(",")))
-    if loopback_only - set(methods):
-        p.error(f"--loopback-only {sorted(loopback_only - set(methods))} not in --methods")
+    only = {where: set(filter(None, names.split(",")))
+            for where, names in (("loopback", args.loopback_only), ("lab", args.lab_only))}
+    for where, names in only.items():
+        if names - set(methods):
+            p.error(f"--{where}-only {sorted(names - set(methods))} not in --methods")
     argv = [os.path.abspath(__file__), "--worker"]
     for key in forwarded:
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
@@ -710,7 +714,8 @@ def main():
     print(f"{args.workload}: {len(settings)} settings x {len(methods)} methods x {args.reps} "
           f"repetitions, {args.steps} steps of {args.global_batch} samples", flush=True)
     for name in _spawn.by_link_rate(settings, lambda name: SETTINGS[name][1]):
-        here = [m for m in methods if SETTINGS[name][0] != "lab" or m not in loopback_only]
+        elsewhere = only["lab" if SETTINGS[name][0] != "lab" else "loopback"]
+        here = [m for m in methods if m not in elsewhere]
         res = run_setting(name, argv + ["--methods", ",".join(here)], args)
         report["data"], report["params"] = res["data"], res["params"]
         report["settings"].append({"setting": name, "rate": SETTINGS[name][1], "np": res["np"],
