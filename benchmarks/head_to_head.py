@@ -603,6 +603,22 @@ def plot(report, stem):
     print(f"wrote {path}")
 
 
+def appended(parser, path, report) -> dict:
+    """The earlier report at ``path``, ready to take the settings of ``report`` (a new run of
+    the same workload and options); each setting keeps the commit and date it was run on."""
+    earlier = _spawn.read_report(path)
+    differ = [k for k in ("workload", "reps", "steps", "global_batch", "options")
+              if earlier.get(k) != report[k]]
+    if differ:
+        parser.error(f"--append-to {path}: this run differs from it in {differ}")
+    for setting in earlier["settings"]:
+        setting.setdefault("commit", earlier.get("commit"))
+        setting.setdefault("date", earlier.get("date"))
+    earlier.update({k: report[k] for k in ("average_wire_bytes_per_step", "average_wire_from")
+                    if k in report})
+    return earlier
+
+
 def run_setting(name, argv, args):
     where, _, per_node = SETTINGS[name]
     env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"} if per_node > 1 else {}
@@ -651,9 +667,12 @@ def main():
                         "of a long run over slow lab links)")
     p.add_argument("--lab-only", default="", metavar="METHODS",
                    help="of --methods, those run on the lab settings only")
-    p.add_argument("--average-wire-from", metavar="JSON",
-                   help="an earlier report with Average on the lab settings: its wire bytes a "
-                        "step stand in for Average's where --loopback-only keeps it off them")
+    p.add_argument("--average-wire-from", metavar="JSON[,JSON]",
+                   help="earlier reports with Average on lab settings: its wire bytes a step "
+                        "stand in for Average's where --loopback-only keeps it off them")
+    p.add_argument("--append-to", metavar="JSON",
+                   help="add these settings to an earlier report of the same workload, steps, "
+                        "repetitions and options (written back to it; --out is ignored)")
     p.add_argument("--derive", metavar="JSON",
                    help="only recompute an earlier report's medians and comparisons, in place")
     args = p.parse_args()
@@ -708,8 +727,12 @@ def main():
               "options": {k: getattr(args, k) for k in forwarded if k != "data_dir"},
               "settings": []}
     if args.average_wire_from:
-        report["average_wire_bytes_per_step"] = average_wire_per_step(args.average_wire_from)
+        report["average_wire_bytes_per_step"] = {}
+        for path in args.average_wire_from.split(","):
+            report["average_wire_bytes_per_step"].update(average_wire_per_step(path))
         report["average_wire_from"] = args.average_wire_from
+    if args.append_to:
+        report, args.out, stem = appended(p, args.append_to, report), args.append_to, None
     start = time.monotonic()
     print(f"{args.workload}: {len(settings)} settings x {len(methods)} methods x {args.reps} "
           f"repetitions, {args.steps} steps of {args.global_batch} samples", flush=True)
@@ -719,12 +742,14 @@ def main():
         res = run_setting(name, argv + ["--methods", ",".join(here)], args)
         report["data"], report["params"] = res["data"], res["params"]
         report["settings"].append({"setting": name, "rate": SETTINGS[name][1], "np": res["np"],
-                                   "ranks_per_node": SETTINGS[name][2], "runs": res["runs"]})
+                                   "ranks_per_node": SETTINGS[name][2], "runs": res["runs"],
+                                   **_spawn.provenance()})
         print(f"[{time.monotonic() - start:.0f} s elapsed]")
         print_tables({**report, "settings": report["settings"][-1:]})
         report["derived"] = derived(report)
         _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
-    _spawn.plot_if_possible(plot, _spawn.read_report(args.out), stem)  # with commit and date
+    if stem:
+        _spawn.plot_if_possible(plot, _spawn.read_report(args.out), stem)  # with commit and date
     print(f"total {time.monotonic() - start:.0f} s")
 
 

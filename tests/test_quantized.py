@@ -68,9 +68,17 @@ def body_op():
     fed, plain = hvd.Quantized(**FED), hvd.Quantized(**PLAIN)
     out = [hvd.grouped_allreduce(_tensors(hvd.rank(), step), op=fed, name="g")
            for step in range(STEPS)]
+    # the same tensors as requests of their own, submitted together: the engine may fuse them
+    # into one buffer, and each keeps its own error all the same
+    apart = []
+    for step in range(STEPS):
+        tensors = _tensors(hvd.rank(), step)
+        handles = [hvd.allreduce_async_(t, op=fed, name=f"s.{i}") for i, t in enumerate(tensors)]
+        apart.append([hvd.synchronize(h) for h in handles])
     once = hvd.grouped_allreduce(_tensors(hvd.rank(), 0), op=plain, name="p")
     again = hvd.grouped_allreduce(_tensors(hvd.rank(), 0), op=plain, name="p")
-    return out, once, again, fed.bytes_sent, plain.bytes_sent, len(plain.state_dict()["errors"])
+    return (out, apart, once, again, fed.bytes_sent, plain.bytes_sent,
+            len(plain.state_dict()["errors"]))
 
 
 def _simulate(size, settings, steps):
@@ -87,16 +95,17 @@ def test_op_matches_a_simulation_of_every_rank(backend, size):
     fed, plain = _simulate(size, FED, STEPS), _simulate(size, PLAIN, 1)[0]
     nbytes = [sum(ChunkQuantize(s["bits"], s["chunk"]).nbytes(torch.Size(shape).numel())
                   for shape in SHAPES) for s in (FED, PLAIN)]
-    for steps, once, again, fed_bytes, plain_bytes, plain_errors in results:
-        for got, ref in zip(steps, fed):
-            for g, w in zip(got, ref):
+    for steps, apart, once, again, fed_bytes, plain_bytes, plain_errors in results:
+        for got, got_apart, ref in zip(steps, apart, fed):
+            for g, a, w in zip(got, got_apart, ref):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-6)
         for g, w, a in zip(once, plain, again):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
             assert torch.equal(g, a)          # no error kept: the same input, the same result
         for got, first in zip(steps, results[0][0]):
             assert all(torch.equal(g, f) for g, f in zip(got, first))   # the same bits
-        assert (fed_bytes, plain_bytes, plain_errors) == (STEPS * nbytes[0], 2 * nbytes[1], 0)
+        assert (fed_bytes, plain_bytes, plain_errors) == (2 * STEPS * nbytes[0], 2 * nbytes[1], 0)
 
 
 H, ROUNDS, INNER_LR, OUTER_LR = 3, 3, 0.1, 0.8

@@ -20,12 +20,22 @@ from .codes import ByteCompressor
 
 
 class ErrorFeedback:
-    """Per tensor key, what compression has not sent yet (float32 or wider, on the tensor's
-    device), and the bytes this rank has put into messages."""
+    """Per tensor name, what compression has not sent yet (float32 or wider, on the tensor's
+    device, the tensor's whole length: a call may bring any part of it), and the bytes this rank
+    has put into messages."""
 
     def __init__(self):
         self.errors: Dict[Hashable, torch.Tensor] = {}
         self.bytes_sent = 0
+
+    def error_of(self, piece: "Piece") -> torch.Tensor:
+        """The error of ``piece``'s elements (a view into its tensor's error)."""
+        name, numel, start, x = piece
+        error = self.errors.get(name)
+        if error is None or error.numel() != numel or error.device != x.device:
+            error = self.errors[name] = torch.zeros(
+                numel, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        return error[start:start + x.numel()]
 
     def state_dict(self) -> dict:
         return {"errors": [(key, e.clone()) for key, e in self.errors.items()],
@@ -36,19 +46,24 @@ class ErrorFeedback:
         self.bytes_sent = state["bytes_sent"]
 
 
+# (name, numel, start, x): x holds elements [start, start + len(x)) of the 1-D tensor of
+# ``numel`` elements called ``name``; its error is kept under that name.
+Piece = Tuple[Hashable, int, int, torch.Tensor]
+
+
 def _hashable(key):
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
-def compressed_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]],
-                        feedback: ErrorFeedback, comm: Communicator, config: ByteCompressor,
-                        decay: float) -> None:
-    """Replace each 1-D float tensor of ``tensors`` ((key, tensor) pairs) by the mean over the
-    ranks of ``comm`` of their compressed, error-fed values, in place."""
+def compressed_average_(pieces: Sequence[Piece], feedback: ErrorFeedback, comm: Communicator,
+                        config: ByteCompressor, decay: float) -> None:
+    """Replace each 1-D float tensor of ``pieces`` by the mean over the ranks of ``comm`` of
+    their compressed, error-fed values, in place."""
     messages: List[torch.Tensor] = []
     sent: List[torch.Tensor] = []   # what this rank's messages stand for, decompressed once
-    for key, x in tensors:
-        error = _error_fed(feedback, key, x, decay)
+    for piece in pieces:
+        x = piece[3]
+        error = feedback.error_of(piece).mul_(decay).add_(x) if decay else x
         message = config.compress(error)
         sent.append(config.decompress(message, x.numel()))
         if decay:
@@ -61,7 +76,7 @@ def compressed_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]],
     else:
         everyone = mine.view(1, -1)
     starts = itertools.accumulate((len(m) for m in messages), initial=0)
-    for (_, x), mine_dense, start, message in zip(tensors, sent, starts, messages):
+    for (*_, x), mine_dense, start, message in zip(pieces, sent, starts, messages):
         x.zero_()
         for rank, row in enumerate(everyone):   # in rank order on every rank: the same bits
             if rank == comm.rank:
@@ -70,15 +85,3 @@ def compressed_average_(tensors: Sequence[Tuple[Hashable, torch.Tensor]],
                 config.decompress(row[start:start + len(message)], x.numel(), out=x, add=True)
         x.div_(comm.size)
 
-
-def _error_fed(feedback: ErrorFeedback, key: Hashable, x: torch.Tensor,
-               decay: float) -> torch.Tensor:
-    """``decay * error + x``, the error kept under ``key``; with ``decay`` 0 just ``x`` (no error
-    is kept: plain compression holds no copy of the tensors)."""
-    if not decay:
-        return x
-    error = feedback.errors.get(key)
-    if error is None or error.shape != x.shape:
-        error = feedback.errors[key] = torch.zeros_like(
-            x, dtype=torch.promote_types(x.dtype, torch.float32))
-    return error.mul_(decay).add_(x)

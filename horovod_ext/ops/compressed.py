@@ -1,17 +1,19 @@
 """The registry ops that average a buffer through a compressor with error feedback
 (``algorithms.compressed_average``): what ``hvd.SparseLoCo`` and ``hvd.Quantized`` share.
 
-Each tensor of the buffer is compressed on its own, with its error kept per tensor name (as
-``hvd.OneBit`` keeps its errors), and every rank's messages travel in one allgather.  With
+Each tensor of the buffer is compressed on its own, with its error kept under the tensor's name
+(so requests may share a fusion buffer: DiLoCo's per-parameter requests travel in one
+allgather, not one round trip each), and every rank's messages travel in one allgather.  With
 HOROVOD_HIERARCHICAL_ALLREDUCE=1 and several nodes the average inside the node is exact and the
 compressed step runs across nodes on each rank's shard.
 
 Name your requests: an unnamed call gets a fresh name, hence fresh (zero) errors, every time.
 """
-from typing import List, Tuple
+from typing import List
 
 from horovod_ext.algorithms.codes import ByteCompressor
-from horovod_ext.algorithms.compressed_average import ErrorFeedback, compressed_average_
+from horovod_ext.algorithms.compressed_average import (ErrorFeedback, Piece,
+                                                       compressed_average_)
 from horovod_ext.backends import trace
 from horovod_ext.backends.hierarchy import Span
 
@@ -23,8 +25,6 @@ class CompressedAverageOp(Op):
     ``error_decay`` (0: no error is kept).  Subclasses set ``name`` and ``activity`` (the
     timeline's name of the step)."""
     floating_point_only = True
-    # Errors are kept per tensor: requests must never share a fusion buffer.
-    fuse_across_requests = False
     activity = "COMPRESSED_AVERAGE"
 
     def __init__(self, config: ByteCompressor, error_decay: float):
@@ -63,14 +63,15 @@ class CompressedAverageOp(Op):
         self.feedback = ErrorFeedback()
 
 
-def _pieces(part, offset: int, layers) -> List[Tuple[tuple, object]]:
-    """(key, view) of each layer's overlap with ``part`` = buffer[offset:...]; the key names the
-    layer and the overlap, so that errors follow the tensor."""
+def _pieces(part, offset: int, layers) -> List[Piece]:
+    """The piece of each layer that ``part`` = buffer[offset:...] holds (whole layers, unless
+    a hierarchical step cut the buffer into shards), under the layer's name: its error follows
+    the tensor whatever buffer it travels in."""
     pieces = []
     for layer in layers or ():
         span = layer_overlap(layer, offset, part.numel())
         if span is not None:
             lo, hi = span
-            pieces.append(((layer.name, lo - layer.offset, hi - layer.offset),
+            pieces.append((layer.name, layer.numel, lo - layer.offset,
                            part[lo - offset:hi - offset]))
-    return pieces or [(("", 0, part.numel()), part)]
+    return pieces or [("", part.numel(), 0, part)]
