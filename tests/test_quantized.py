@@ -137,11 +137,5 @@ def test_diloco_with_quantized_matches_a_plain_loop():
                 _local_step(model, opt, r, step)
             sent.append([ref_quantize(a - p.detach(), PLAIN["bits"], PLAIN["chunk"])
                          .reshape(a.shape) for a, p in zip(anchor, model.parameters())])
-        anchor = [a - OUTER_LR * sum(s[i] for s in sent) / size for i, a in enumerate(anchor)]
-        with torch.no_grad():
-            for model in models:
-                for p, a in zip(model.parameters(), anchor):
-                    p.copy_(a)
-    for params in results:
-        for got, ref in zip(params, anchor):
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        anchor = test_sparseloco.outer_step(models, anchor, sent, OUTER_LR)
+    test_sparseloco.assert_every_rank_holds(results, anchor)

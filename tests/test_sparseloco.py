@@ -186,11 +186,22 @@ def test_diloco_with_sparseloco_matches_a_plain_loop():
                                          SETTINGS["chunk"]).reshape(a.shape))
                 errors[r][i] = errors[r][i] - mine[-1]
             sent.append(mine)
-        anchor = [a - sum(s[i] for s in sent) / size for i, a in enumerate(anchor)]
-        with torch.no_grad():
-            for model in models:
-                for p, a in zip(model.parameters(), anchor):
-                    p.copy_(a)
+        anchor = outer_step(models, anchor, sent, 1.0)
+    assert_every_rank_holds(results, anchor)
+
+
+def outer_step(models, anchor, sent, outer_lr):
+    """The plain outer step without momentum: the anchor moved by ``outer_lr`` times the mean of
+    the workers' sent pseudo-gradients, and every worker restarted from it; the new anchor."""
+    anchor = [a - outer_lr * sum(s[i] for s in sent) / len(sent) for i, a in enumerate(anchor)]
+    with torch.no_grad():
+        for model in models:
+            for p, a in zip(model.parameters(), anchor):
+                p.copy_(a)
+    return anchor
+
+
+def assert_every_rank_holds(results, anchor):
     for params in results:
         for got, ref in zip(params, anchor):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

@@ -42,17 +42,13 @@ class ErrorFeedback:
                 "bytes_sent": self.bytes_sent}
 
     def load_state_dict(self, state: dict):
-        self.errors = {_hashable(key): e.clone() for key, e in state["errors"]}
+        self.errors = {key: e.clone() for key, e in state["errors"]}
         self.bytes_sent = state["bytes_sent"]
 
 
 # (name, numel, start, x): x holds elements [start, start + len(x)) of the 1-D tensor of
 # ``numel`` elements called ``name``; its error is kept under that name.
 Piece = Tuple[Hashable, int, int, torch.Tensor]
-
-
-def _hashable(key):
-    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
 def compressed_average_(pieces: Sequence[Piece], feedback: ErrorFeedback, comm: Communicator,
