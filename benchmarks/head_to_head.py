@@ -39,7 +39,8 @@ Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
   ..._q8/_q4/_q2     op=hvd.Quantized(bits=8 / 4 / 2): the pseudo-gradient as codes of that
                      many bits with a float32 scale every 256 elements
   variants           diloco_h<H>[_onebit|_sparseloco[_d<density>]|_q8|_q4|_q2][_lr<outer lr>]
-                     [_m<outer momentum>][_warm<inner warm-up steps>], e.g. diloco_h50_lr1_m0
+                     [_m<outer momentum>][_warm<inner warm-up steps>][_ilr<inner peak lr>]
+                     [_b<Adam's beta1>], e.g. diloco_h50_lr1_m0
                      (local SGD): any H and outer settings, for sweeps; listed after the
                      methods above
 2 x 2 runs ours hierarchically (HOROVOD_HIERARCHICAL_ALLREDUCE=1); DDP has no such mode.
@@ -240,27 +241,31 @@ def build(method, net, args, total, seed, per_node):
               "sparseloco": lambda: hvd.SparseLoCo(density=local["density"]),
               "q8": lambda: hvd.Quantized(bits=8), "q4": lambda: hvd.Quantized(bits=4),
               "q2": lambda: hvd.Quantized(bits=2)}[local["op"]]()
-        return net, hvd.DiLoCo(adam(), named_parameters=named, sync_every=local["every"], op=op,
+        inner = torch.optim.Adam(net.parameters(), lr=local["inner_lr"] or args.adam_lr,
+                                 eps=args.adam_eps, betas=(local["beta1"], 0.999))
+        return net, hvd.DiLoCo(inner, named_parameters=named, sync_every=local["every"], op=op,
                                outer_lr=local["outer_lr"], outer_momentum=local["momentum"])
     raise ValueError(f"unknown method {method!r}")
 
 
 LOCAL_METHOD = re.compile(r"diloco_h(\d+)(?:_(onebit|sparseloco|q8|q4|q2)(?:_d([\d.]+))?)?"
-                          r"(?:_lr([\d.]+))?(?:_m([\d.]+))?(?:_warm(\d+))?")
+                          r"(?:_lr([\d.]+))?(?:_m([\d.]+))?(?:_warm(\d+))?(?:_ilr([\d.]+))?"
+                          r"(?:_b([\d.]+))?")
 
 
 def local_method(method: str):
     """DiLoCo's settings of a method name (see the module), or None for other methods."""
     if method == "sparseloco_h50":
         return dict(every=50, op="sparseloco", density=1 / 64, outer_lr=1.0, momentum=0.0,
-                    warmup=0)
+                    warmup=0, inner_lr=None, beta1=0.9)
     found = LOCAL_METHOD.fullmatch(method)
     if found is None:
         return None
-    every, op, density, lr, momentum, warmup = found.groups()
+    every, op, density, lr, momentum, warmup, inner_lr, beta1 = found.groups()
     return dict(every=int(every), op=op or "", density=float(density or 1 / 64),
                 outer_lr=float(lr or 0.7),
-                momentum=float(0.9 if momentum is None else momentum), warmup=int(warmup or 0))
+                momentum=float(0.9 if momentum is None else momentum), warmup=int(warmup or 0),
+                inner_lr=float(inner_lr) if inner_lr else None, beta1=float(beta1 or 0.9))
 
 
 def method_order(present):
@@ -283,6 +288,7 @@ def train(method, work, args, rep, log):
     module, opt = build(method, net, args, total, seed, hvd.local_size())
     order = torch.randperm(work.samples, generator=torch.Generator().manual_seed(seed))
     peak_lr = args.lamb_lr if method in LAMB_METHODS else args.adam_lr
+    peak_lr = (local_method(method) or {}).get("inner_lr") or peak_lr
     warm = (local_method(method) or {}).get("warmup", 0)   # a variant's inner warm-up
     row = {"evals": [], "losses": []}
     # only the host's first rank counts its NIC (ranks of a host share it)
