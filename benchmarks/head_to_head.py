@@ -632,7 +632,12 @@ def run_setting(name, argv, args):
                          args.timeout)
 
 
-def main():
+FORWARDED = ("workload", "reps", "steps", "global_batch", "eval_every", "eval_samples", "target",
+             "period", "adam_lr", "adam_eps", "lamb_lr", "lamb_eps", "warmup_fraction",
+             "lm_held_out", "data_dir")   # the options every worker gets
+
+
+def parser():
     import argparse
 
     p = _spawn.parser(__doc__, "head_to_head.json")
@@ -681,6 +686,76 @@ def main():
                         "repetitions and options (written back to it; --out is ignored)")
     p.add_argument("--derive", metavar="JSON",
                    help="only recompute an earlier report's medians and comparisons, in place")
+    return p
+
+
+def planned(p, args):
+    """(settings, methods, {"loopback"/"lab": methods run only there}) of a run's options;
+    refuses (``p.error``) options that cannot give comparable runs."""
+    if args.quick:
+        args.reps, args.steps = 1, min(args.steps, 100)
+        if args.methods == ",".join(METHODS):
+            args.methods = ",".join(QUICK_METHODS)
+    settings = _spawn.choices(p, args.settings or (",".join(_spawn.LAN_SETTINGS) if args.lab
+                                                   else "loopback-2x1"), SETTINGS, "settings")
+    methods = _spawn.choices(p, args.methods, METHODS + [m for m in args.methods.split(",")
+                                                         if local_method(m)], "methods")
+    periods = {m: local_method(m)["every"] for m in methods if local_method(m)}
+    periods.update({"slamb": SLAMB_INTERVAL, "ddp_local_sgd": args.period})
+    misaligned = [m for m in methods if args.eval_every % periods.get(m, 1)]
+    if misaligned:
+        p.error(f"--eval-every {args.eval_every} is not a multiple of the sync period of "
+                f"{misaligned}: their ranks' models would differ at the evaluations")
+    if args.global_batch % 4:
+        p.error("--global-batch must split among 4 ranks")
+    only = {where: set(filter(None, names.split(",")))
+            for where, names in (("loopback", args.loopback_only), ("lab", args.lab_only))}
+    for where, names in only.items():
+        if names - set(methods):
+            p.error(f"--{where}-only {sorted(names - set(methods))} not in --methods")
+    return settings, methods, only
+
+
+def new_report(args, defaults) -> dict:
+    """The report's header: the workload, the options, Average's wire bytes from elsewhere."""
+    report = {"workload": args.workload, "quality": defaults["quality"],
+              "higher_is_better": defaults["higher"], "target": args.target,
+              "reps": args.reps, "steps": args.steps, "global_batch": args.global_batch,
+              "options": {k: getattr(args, k) for k in FORWARDED if k != "data_dir"},
+              "settings": []}
+    if args.average_wire_from:
+        report["average_wire_bytes_per_step"] = {}
+        for path in args.average_wire_from.split(","):
+            report["average_wire_bytes_per_step"].update(average_wire_per_step(path))
+        report["average_wire_from"] = args.average_wire_from
+    return report
+
+
+def run(args, report, settings, methods, only):
+    """Every setting in turn (slowest link last), the report written after each."""
+    argv = [os.path.abspath(__file__), "--worker"]
+    for key in FORWARDED:
+        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    start = time.monotonic()
+    print(f"{args.workload}: {len(settings)} settings x {len(methods)} methods x {args.reps} "
+          f"repetitions, {args.steps} steps of {args.global_batch} samples", flush=True)
+    for name in _spawn.by_link_rate(settings, lambda name: SETTINGS[name][1]):
+        elsewhere = only["lab" if SETTINGS[name][0] != "lab" else "loopback"]
+        here = [m for m in methods if m not in elsewhere]
+        res = run_setting(name, argv + ["--methods", ",".join(here)], args)
+        report["data"], report["params"] = res["data"], res["params"]
+        report["settings"].append({"setting": name, "rate": SETTINGS[name][1], "np": res["np"],
+                                   "ranks_per_node": SETTINGS[name][2], "runs": res["runs"],
+                                   **_spawn.provenance()})
+        print(f"[{time.monotonic() - start:.0f} s elapsed]")
+        print_tables({**report, "settings": report["settings"][-1:]})
+        report["derived"] = derived(report)
+        _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
+    print(f"total {time.monotonic() - start:.0f} s")
+
+
+def main():
+    p = parser()
     args = p.parse_args()
     defaults = WORKLOADS[args.workload]
     args.steps = args.steps or defaults["steps"]
@@ -699,64 +774,13 @@ def main():
     stem = os.path.splitext(args.plot or args.out)[0]
     if args.plot:
         return plot(_spawn.read_report(args.plot), stem)
-    if args.quick:
-        args.reps, args.steps = 1, min(args.steps, 100)
-        if args.methods == ",".join(METHODS):
-            args.methods = ",".join(QUICK_METHODS)
-    settings = _spawn.choices(p, args.settings or (",".join(_spawn.LAN_SETTINGS) if args.lab
-                                                   else "loopback-2x1"), SETTINGS, "settings")
-    methods = _spawn.choices(p, args.methods, METHODS + [m for m in args.methods.split(",")
-                                                         if local_method(m)], "methods")
-    periods = {m: local_method(m)["every"] for m in methods if local_method(m)}
-    periods.update({"slamb": SLAMB_INTERVAL, "ddp_local_sgd": args.period})
-    misaligned = [m for m in methods if args.eval_every % periods.get(m, 1)]
-    if misaligned:
-        p.error(f"--eval-every {args.eval_every} is not a multiple of the sync period of "
-                f"{misaligned}: their ranks' models would differ at the evaluations")
-    if args.global_batch % 4:
-        p.error("--global-batch must split among 4 ranks")
-    forwarded = ("workload", "reps", "steps", "global_batch", "eval_every", "eval_samples",
-                 "target", "period",
-                 "adam_lr", "adam_eps", "lamb_lr", "lamb_eps", "warmup_fraction",
-                 "lm_held_out", "data_dir")
-    only = {where: set(filter(None, names.split(",")))
-            for where, names in (("loopback", args.loopback_only), ("lab", args.lab_only))}
-    for where, names in only.items():
-        if names - set(methods):
-            p.error(f"--{where}-only {sorted(names - set(methods))} not in --methods")
-    argv = [os.path.abspath(__file__), "--worker"]
-    for key in forwarded:
-        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    report = {"workload": args.workload, "quality": defaults["quality"],
-              "higher_is_better": defaults["higher"], "target": args.target,
-              "reps": args.reps, "steps": args.steps, "global_batch": args.global_batch,
-              "options": {k: getattr(args, k) for k in forwarded if k != "data_dir"},
-              "settings": []}
-    if args.average_wire_from:
-        report["average_wire_bytes_per_step"] = {}
-        for path in args.average_wire_from.split(","):
-            report["average_wire_bytes_per_step"].update(average_wire_per_step(path))
-        report["average_wire_from"] = args.average_wire_from
+    settings, methods, only = planned(p, args)
+    report = new_report(args, defaults)
     if args.append_to:
         report, args.out, stem = appended(p, args.append_to, report), args.append_to, None
-    start = time.monotonic()
-    print(f"{args.workload}: {len(settings)} settings x {len(methods)} methods x {args.reps} "
-          f"repetitions, {args.steps} steps of {args.global_batch} samples", flush=True)
-    for name in _spawn.by_link_rate(settings, lambda name: SETTINGS[name][1]):
-        elsewhere = only["lab" if SETTINGS[name][0] != "lab" else "loopback"]
-        here = [m for m in methods if m not in elsewhere]
-        res = run_setting(name, argv + ["--methods", ",".join(here)], args)
-        report["data"], report["params"] = res["data"], res["params"]
-        report["settings"].append({"setting": name, "rate": SETTINGS[name][1], "np": res["np"],
-                                   "ranks_per_node": SETTINGS[name][2], "runs": res["runs"],
-                                   **_spawn.provenance()})
-        print(f"[{time.monotonic() - start:.0f} s elapsed]")
-        print_tables({**report, "settings": report["settings"][-1:]})
-        report["derived"] = derived(report)
-        _spawn.write_report(args.out, report)  # an interrupted run keeps what it has
+    run(args, report, settings, methods, only)
     if stem:
         _spawn.plot_if_possible(plot, _spawn.read_report(args.out), stem)  # with commit and date
-    print(f"total {time.monotonic() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import platform
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -207,17 +207,21 @@ class SharedMemoryGroup:
         return flat
 
     # --- whole vectors, for steps that read every rank's buffer (in-node Adasum) -------------
-    def publish(self, flat: torch.Tensor, table_bytes: int = 0) -> List[torch.Tensor]:
-        """``flat`` (contiguous 1-D CPU) into this rank's slot; then every local rank's slot as a
-        tensor like ``flat`` (valid until the next call of any method of this group).  Each slot
-        keeps two areas of ``table_bytes`` past the data for ``sum_tables``."""
+    def publish(self, flat: torch.Tensor, table_bytes: int = 0,
+                private: Tuple[int, int] = (0, 0)) -> List[torch.Tensor]:
+        """``flat`` (contiguous 1-D CPU) into this rank's slot, except ``flat[private[0]:
+        private[1]]``, which only this rank reads (from ``flat``); then every local rank's slot
+        as a tensor like ``flat`` (valid until the next call of any method of this group).
+        Each slot keeps two areas of ``table_bytes`` past the data for ``sum_tables``."""
         nbytes = flat.numel() * flat.element_size()
         self._table_at = -(-nbytes // _LINE) * _LINE
         self._table_room = -(-table_bytes // _LINE) * _LINE
         self._ensure(self._table_at + 2 * self._table_room)
         views = [self._view(k, flat) for k in range(self.size)]
         if views[self.rank].data_ptr() != flat.data_ptr():
-            views[self.rank].copy_(flat)
+            lo, hi = private
+            views[self.rank][:lo].copy_(flat[:lo])
+            views[self.rank][hi:].copy_(flat[hi:])
         self._arrive_and_wait("publish")
         self._table_area = 0
         return views

@@ -6,8 +6,9 @@ gather path compute (ranks r >= p folded into r - p, then pairs at distance 1, 2
 by ``tree_divisors``): at each level every rank computes, for every pair of the level, its
 shard's share of the per-layer [a.b, a.a, b.b]; the shares are summed through the segment (one
 small table per rank and level); and each rank combines its own shard of every pair into the
-a side's slot.  Only the tables cross between ranks until the end, when every rank copies the
-result from the first slot.  So a level costs one pass over the shards and one wait, where RVH
+a side's slot.  A rank's own shard of its own vector is read by nobody else, so it is not
+copied into the slot: it is read and combined where it is.  Only the tables cross between ranks
+until the end, when every rank copies the result from the first slot.  So a level costs one pass over the shards and one wait, where RVH
 over sockets costs an exchange of half the vector and a dot-product allreduce: on one host with
 Gloo, the exchanges' copies through the kernel and their per-message latency dominated.
 
@@ -53,17 +54,25 @@ def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
     piece = layers.piece(lo, hi)
     levels = tree_levels(n)
     widest = max(len(pairs) for pairs in levels)
+    # Only this rank reads its own shard of its own vector, so that shard stays in x.
     with trace.activity("ADASUM_PUBLISH", trace.nbytes_of(x)):
-        slots = group.publish(x, table_bytes=widest * layers.count * 3 * 8)
+        slots = group.publish(x, table_bytes=widest * layers.count * 3 * 8, private=(lo, hi))
     shards = [slot[lo:hi] for slot in slots]
+    shards[me] = x[lo:hi]
     shard_bytes = (hi - lo) * x.element_size()
     for i, pairs in enumerate(levels):
         with trace.activity(f"ADASUM_LEVEL_{i}", 2 * len(pairs) * shard_bytes):
             _level(pairs, shards, piece, layers.count, group, hi > lo)
     with trace.activity("ADASUM_RESULT", trace.nbytes_of(x)):
+        if me == 0 and x.data_ptr() != slots[0].data_ptr():
+            slots[0][lo:hi].copy_(x[lo:hi])   # the result's shard 0 was combined in x
         group.arrive("adasum result")
         if x.data_ptr() != slots[0].data_ptr():
-            x.copy_(slots[0])
+            if me == 0:
+                x[:lo].copy_(slots[0][:lo])
+                x[hi:].copy_(slots[0][hi:])
+            else:
+                x.copy_(slots[0])
         group.arrive("adasum result read")   # nobody refills its slot before all read slot 0
     return x
 
