@@ -40,7 +40,9 @@ Methods (inner optimizer Adam, lr ``--adam-lr``, unless said):
                      many bits with a float32 scale every 256 elements
   variants           diloco_h<H>[_onebit|_sparseloco[_d<density>]|_q8|_q4|_q2][_lr<outer lr>]
                      [_m<outer momentum>][_warm<inner warm-up steps>][_ilr<inner peak lr>]
-                     [_b<Adam's beta1>], e.g. diloco_h50_lr1_m0
+                     [_b<Adam's beta1>][_node], e.g. diloco_h50_lr1_m0; _node: each host is
+                     one worker, its ranks averaging every step's gradients
+                     (hvd.DistributedOptimizer over the host's process set inside DiLoCo)
                      (local SGD): any H and outer settings, for sweeps; listed after the
                      methods above
 2 x 2 runs ours hierarchically (HOROVOD_HIERARCHICAL_ALLREDUCE=1); DDP has no such mode.
@@ -243,6 +245,9 @@ def build(method, net, args, total, seed, per_node):
               "q2": lambda: hvd.Quantized(bits=2)}[local["op"]]()
         inner = torch.optim.Adam(net.parameters(), lr=local["inner_lr"] or args.adam_lr,
                                  eps=args.adam_eps, betas=(local["beta1"], 0.999))
+        if local["node"]:   # a host is one worker: its ranks average every step's gradients
+            inner = hvd.DistributedOptimizer(inner, named_parameters=named, op=hvd.Average,
+                                             process_set=node_process_set(per_node))
         return net, hvd.DiLoCo(inner, named_parameters=named, sync_every=local["every"], op=op,
                                outer_lr=local["outer_lr"], outer_momentum=local["momentum"])
     raise ValueError(f"unknown method {method!r}")
@@ -250,22 +255,38 @@ def build(method, net, args, total, seed, per_node):
 
 LOCAL_METHOD = re.compile(r"diloco_h(\d+)(?:_(onebit|sparseloco|q8|q4|q2)(?:_d([\d.]+))?)?"
                           r"(?:_lr([\d.]+))?(?:_m([\d.]+))?(?:_warm(\d+))?(?:_ilr([\d.]+))?"
-                          r"(?:_b([\d.]+))?")
+                          r"(?:_b([\d.]+))?(_node)?")
+
+
+_NODE_SETS = {}   # ranks per node -> this rank's node's process set
+
+
+def node_process_set(per_node: int):
+    """The process set of this rank's node (its ranks are consecutive, as the launcher places
+    them), registered once per worker: every rank registers every node's, in node order."""
+    import horovod_ext.torch as hvd
+
+    if per_node not in _NODE_SETS:
+        nodes = [hvd.add_process_set(list(range(n, n + per_node)))
+                 for n in range(0, hvd.size(), per_node)]
+        _NODE_SETS[per_node] = nodes[hvd.rank() // per_node]
+    return _NODE_SETS[per_node]
 
 
 def local_method(method: str):
     """DiLoCo's settings of a method name (see the module), or None for other methods."""
     if method == "sparseloco_h50":
         return dict(every=50, op="sparseloco", density=1 / 64, outer_lr=1.0, momentum=0.0,
-                    warmup=0, inner_lr=None, beta1=0.9)
+                    warmup=0, inner_lr=None, beta1=0.9, node=False)
     found = LOCAL_METHOD.fullmatch(method)
     if found is None:
         return None
-    every, op, density, lr, momentum, warmup, inner_lr, beta1 = found.groups()
+    every, op, density, lr, momentum, warmup, inner_lr, beta1, node = found.groups()
     return dict(every=int(every), op=op or "", density=float(density or 1 / 64),
                 outer_lr=float(lr or 0.7),
                 momentum=float(0.9 if momentum is None else momentum), warmup=int(warmup or 0),
-                inner_lr=float(inner_lr) if inner_lr else None, beta1=float(beta1 or 0.9))
+                inner_lr=float(inner_lr) if inner_lr else None, beta1=float(beta1 or 0.9),
+                node=bool(node))
 
 
 def method_order(present):
@@ -342,7 +363,8 @@ def worker(args):
     import horovod_ext.torch as hvd
 
     torch.set_num_threads(1)
-    hvd.init()
+    # the _node variants' process sets are registered once their run starts
+    hvd.init(process_sets="dynamic" if "_node" in args.methods else None)
     if not dist.is_initialized():
         raise SystemExit("head_to_head needs horovod_ext over torch.distributed (Gloo)")
     work = Workload(args.workload, args)
