@@ -1,7 +1,8 @@
 """``hvd.DiLoCo`` on real ranks (np=2 and 3, Gloo and MPI) against a plain loop written here: every
 worker's H local steps, then the average pseudo-gradient through an outer SGD step with Nesterov
 momentum; the streaming form (fragments synced at staggered steps, reductions overlapping inner
-steps, the result mixed into the parameters); bitwise resume from its state_dict."""
+steps, the result mixed into the parameters); bitwise resume from its state_dict; a host as one
+worker (its ranks averaging gradients every step through a process set, DiLoCo across hosts)."""
 import pytest
 import torch
 
@@ -286,3 +287,62 @@ def body_resume_streaming():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bitwise_resume_with_a_reduction_in_flight(backend):
     assert run_ranks(body_resume_streaming, 2, backend) == [True, True]
+
+
+# --- a host as one worker: DistributedOptimizer over the host's process set inside DiLoCo ----
+def body_host_workers(per_host):
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    hosts = [hvd.add_process_set(list(range(h, h + per_host)))
+             for h in range(0, hvd.size(), per_host)]
+    model = _model()
+    inner = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=INNER_LR),
+                                     named_parameters=model.named_parameters(),
+                                     process_set=hosts[r // per_host])
+    opt = hvd.DiLoCo(inner, named_parameters=model.named_parameters(), sync_every=H,
+                     outer_lr=OUTER_LR, outer_momentum=MU)
+    for step in range(H * ROUNDS):
+        _local_step(model, opt, r, step)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _reference_host_workers(size, per_host):
+    """Each host one worker whose step uses the mean of its ranks' gradients; DiLoCo over the
+    hosts."""
+    hosts = size // per_host
+    models = [_model() for _ in range(hosts)]
+    anchor = [p.detach().clone() for p in models[0].parameters()]
+    momentum = None
+    for rnd in range(ROUNDS):
+        for h, model in enumerate(models):
+            for step in range(rnd * H, rnd * H + H):
+                grads = []
+                for rank in range(h * per_host, (h + 1) * per_host):
+                    x, y = _batch(rank, step)
+                    model.zero_grad()
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    grads.append([p.grad.clone() for p in model.parameters()])
+                with torch.no_grad():
+                    for p, *gs in zip(model.parameters(), *grads):
+                        p -= INNER_LR * sum(gs) / per_host
+        deltas = [sum(a - p.detach() for p in ps) / hosts
+                  for a, ps in zip(anchor, zip(*[m.parameters() for m in models]))]
+        momentum = ([d.clone() for d in deltas] if momentum is None else
+                    [MU * b + d for b, d in zip(momentum, deltas)])
+        anchor = [a - OUTER_LR * (d + MU * b) for a, d, b in zip(anchor, deltas, momentum)]
+        with torch.no_grad():
+            for model in models:
+                for p, a in zip(model.parameters(), anchor):
+                    p.copy_(a)
+    return anchor
+
+
+def test_a_host_as_one_worker_matches_a_plain_loop():
+    """2 hosts x 2 ranks: the ranks of a host average gradients every step, DiLoCo runs across
+    the hosts, and every rank ends with the plain loop's parameters."""
+    results = run_ranks(body_host_workers, 4, "gloo", args=(2,),
+                        env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    want = _reference_host_workers(4, 2)
+    for params in results:
+        for got, ref in zip(params, want):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
