@@ -309,8 +309,9 @@ def train(method, work, args, rep, log):
     module, opt = build(method, net, args, total, seed, hvd.local_size())
     order = torch.randperm(work.samples, generator=torch.Generator().manual_seed(seed))
     peak_lr = args.lamb_lr if method in LAMB_METHODS else args.adam_lr
-    peak_lr = (local_method(method) or {}).get("inner_lr") or peak_lr
-    warm = (local_method(method) or {}).get("warmup", 0)   # a variant's inner warm-up
+    local = local_method(method) or {}
+    peak_lr = local.get("inner_lr") or peak_lr
+    warm = local.get("warmup", 0)   # a variant's inner warm-up
     row = {"evals": [], "losses": []}
     # only the host's first rank counts its NIC (ranks of a host share it)
     counting = args.count_nic and hvd.local_rank() == 0

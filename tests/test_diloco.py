@@ -44,16 +44,40 @@ def body(outer_momentum, nesterov):
     return [p.detach().clone() for p in model.parameters()], opt.outer_steps
 
 
-def _reference(size, outer_momentum, nesterov):
-    models = [_model() for _ in range(size)]
+def _worker_step(model, opt, ranks, step):
+    """One inner step of a worker made of ``ranks``: the mean of their gradients, then SGD."""
+    grads = []
+    for rank in ranks:
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for p, *gs in zip(model.parameters(), *grads):
+        p.grad = sum(gs) / len(ranks)
+    opt.step()
+
+
+def _restart(models, anchor):
+    """Every worker continues from the new anchor."""
+    with torch.no_grad():
+        for model in models:
+            for p, a in zip(model.parameters(), anchor):
+                p.copy_(a)
+
+
+def _reference(size, outer_momentum, nesterov, per_host=1):
+    """DiLoCo over ``size // per_host`` workers, each ``per_host`` consecutive ranks whose
+    gradients it averages every step."""
+    workers = size // per_host
+    models = [_model() for _ in range(workers)]
     anchor = [p.detach().clone() for p in models[0].parameters()]
     momentum = None
     opts = [torch.optim.SGD(m.parameters(), lr=INNER_LR) for m in models]
     for rnd in range(ROUNDS):
-        for rank, (model, opt) in enumerate(zip(models, opts)):
+        for w, (model, opt) in enumerate(zip(models, opts)):
             for step in range(rnd * H, rnd * H + H):
-                _local_step(model, opt, rank, step)
-        deltas = [sum(a - p.detach() for p in ps) / size
+                _worker_step(model, opt, range(w * per_host, (w + 1) * per_host), step)
+        deltas = [sum(a - p.detach() for p in ps) / workers
                   for a, ps in zip(anchor, zip(*[m.parameters() for m in models]))]
         if outer_momentum:
             momentum = ([d.clone() for d in deltas] if momentum is None else
@@ -63,10 +87,7 @@ def _reference(size, outer_momentum, nesterov):
         else:
             updates = deltas
         anchor = [a - OUTER_LR * u for a, u in zip(anchor, updates)]
-        with torch.no_grad():
-            for model in models:
-                for p, a in zip(model.parameters(), anchor):
-                    p.copy_(a)
+        _restart(models, anchor)
     return anchor
 
 
@@ -110,10 +131,7 @@ def _reference_plain(size):
                 _local_step(model, opt, rank, step)
         avg = [sum(ps) / size for ps in zip(*[[p.detach().clone() for p in m.parameters()]
                                               for m in models])]
-        with torch.no_grad():
-            for model in models:
-                for p, a in zip(model.parameters(), avg):
-                    p.copy_(a)
+        _restart(models, avg)
     return avg
 
 
@@ -306,43 +324,12 @@ def body_host_workers(per_host):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _reference_host_workers(size, per_host):
-    """Each host one worker whose step uses the mean of its ranks' gradients; DiLoCo over the
-    hosts."""
-    hosts = size // per_host
-    models = [_model() for _ in range(hosts)]
-    anchor = [p.detach().clone() for p in models[0].parameters()]
-    momentum = None
-    for rnd in range(ROUNDS):
-        for h, model in enumerate(models):
-            for step in range(rnd * H, rnd * H + H):
-                grads = []
-                for rank in range(h * per_host, (h + 1) * per_host):
-                    x, y = _batch(rank, step)
-                    model.zero_grad()
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                    grads.append([p.grad.clone() for p in model.parameters()])
-                with torch.no_grad():
-                    for p, *gs in zip(model.parameters(), *grads):
-                        p -= INNER_LR * sum(gs) / per_host
-        deltas = [sum(a - p.detach() for p in ps) / hosts
-                  for a, ps in zip(anchor, zip(*[m.parameters() for m in models]))]
-        momentum = ([d.clone() for d in deltas] if momentum is None else
-                    [MU * b + d for b, d in zip(momentum, deltas)])
-        anchor = [a - OUTER_LR * (d + MU * b) for a, d, b in zip(anchor, deltas, momentum)]
-        with torch.no_grad():
-            for model in models:
-                for p, a in zip(model.parameters(), anchor):
-                    p.copy_(a)
-    return anchor
-
-
 def test_a_host_as_one_worker_matches_a_plain_loop():
     """2 hosts x 2 ranks: the ranks of a host average gradients every step, DiLoCo runs across
     the hosts, and every rank ends with the plain loop's parameters."""
     results = run_ranks(body_host_workers, 4, "gloo", args=(2,),
                         env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
-    want = _reference_host_workers(4, 2)
+    want = _reference(4, MU, True, per_host=2)
     for params in results:
         for got, ref in zip(params, want):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

@@ -8,9 +8,10 @@ shard's share of the per-layer [a.b, a.a, b.b]; the shares are summed through th
 small table per rank and level); and each rank combines its own shard of every pair into the
 a side's slot.  A rank's own shard of its own vector is read by nobody else, so it is not
 copied into the slot: it is read and combined where it is.  Only the tables cross between ranks
-until the end, when every rank copies the result from the first slot.  So a level costs one pass over the shards and one wait, where RVH
-over sockets costs an exchange of half the vector and a dot-product allreduce: on one host with
-Gloo, the exchanges' copies through the kernel and their per-message latency dominated.
+until the end, when every rank copies the result from the first slot.  So a level costs one
+pass over the shards and one wait, where RVH over sockets costs an exchange of half the vector
+and a dot-product allreduce: on one host with Gloo, the exchanges' copies through the kernel
+and their per-message latency dominated.
 
 Every rank adds the tables in the same order and the result is each shard's one owner's, so
 all ranks end with the same bits.
@@ -64,15 +65,15 @@ def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
         with trace.activity(f"ADASUM_LEVEL_{i}", 2 * len(pairs) * shard_bytes):
             _level(pairs, shards, piece, layers.count, group, hi > lo)
     with trace.activity("ADASUM_RESULT", trace.nbytes_of(x)):
-        if me == 0 and x.data_ptr() != slots[0].data_ptr():
-            slots[0][lo:hi].copy_(x[lo:hi])   # the result's shard 0 was combined in x
+        # The result is slot 0, except rank 0's own shard, which was combined in its x.
+        separate = x.data_ptr() != slots[0].data_ptr()
+        if separate and me == 0:
+            slots[0][lo:hi].copy_(x[lo:hi])
         group.arrive("adasum result")
-        if x.data_ptr() != slots[0].data_ptr():
-            if me == 0:
-                x[:lo].copy_(slots[0][:lo])
-                x[hi:].copy_(slots[0][hi:])
-            else:
-                x.copy_(slots[0])
+        if separate:
+            a, b = (lo, hi) if me == 0 else (0, 0)   # rank 0's own shard is already in x
+            x[:a].copy_(slots[0][:a])
+            x[b:].copy_(slots[0][b:])
         group.arrive("adasum result read")   # nobody refills its slot before all read slot 0
     return x
 
