@@ -6,7 +6,8 @@
 Why the communicator sums small buffers of a two-rank Gloo group by an exchange (send the whole
 tensor, receive the peer's, add): Gloo's ring takes two steps for two ranks, and each step waits
 for the peer's go-ahead, so it pays two round trips where the exchange pays one, for the same
-bytes.  Raw torch.distributed on both sides, no horovod_ext in between.  Per size, the two take
+bytes.  Raw torch.distributed on both sides, beside horovod_ext's communicator, which picks one
+of the two by size and by how far apart the pair is (backends/pair_exchange.py).  Per size, the two take
 turns in 5 blocks of back-to-back calls started by a barrier; the median of the blocks is
 reported.  Links are benchmarks/_spawn.lab's (a rate, or a rate and an added round trip); each
 lab link puts one rank on each of two hosts.  Prints a table and writes JSON.
@@ -44,25 +45,32 @@ def worker(args):
             w.wait()
         t.add_(other)
 
+    from horovod_ext.backends.torch_dist import TorchCommunicator
+    comm = TorchCommunicator(range(2), dist.group.WORLD)
+    contenders = (("ring", ring), ("exchange", exchange), ("horovod_ext", comm.allreduce))
     rows = []
     for size in SIZES:
         t = torch.zeros(size // 4)
         calls = max(3, min(50, int(args.budget * 4e6 / size)))
-        samples = {"ring": [], "exchange": []}
-        ring(t), exchange(t)
+        samples = {name: [] for name, _ in contenders}
+        for _, fn in contenders:
+            fn(t)
         for _ in range(5):
-            for name, fn in (("ring", ring), ("exchange", exchange)):
+            for name, fn in contenders:
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn(t)
                 samples[name].append((time.perf_counter() - t0) / calls * 1000)
         rows.append({"bytes": size, "calls": calls, "ring_ms": samples["ring"],
-                     "exchange_ms": samples["exchange"]})
+                     "exchange_ms": samples["exchange"],
+                     "horovod_ext_ms": samples["horovod_ext"]})
     dist.destroy_process_group()
     if rank == 0:
         with open(args.result, "w") as f:
-            json.dump(rows, f)
+            json.dump({"rows": rows, "probe_s": comm.pair.probe_s,
+                       "exchange_max_bytes": None if comm.pair.max_bytes == float("inf")
+                       else comm.pair.max_bytes}, f)
 
 
 def run_link(link, args):
@@ -99,11 +107,15 @@ def main():
         with _spawn.lab(2, link) if link != "loopback" else contextlib.nullcontext():
             rows = run_link(link, args)
         report["links"][link] = rows
-        print(f"\n{link}\n{'bytes':>10} {'ring ms':>9} {'exchange ms':>12} {'ratio':>6}")
-        for row in rows:
-            ring, exch = statistics.median(row["ring_ms"]), statistics.median(row["exchange_ms"])
-            print(f"{_spawn.human(row['bytes']):>10} {ring:9.3f} {exch:12.3f} {exch / ring:6.2f}",
-                  flush=True)
+        limit = rows["exchange_max_bytes"]
+        print(f"\n{link}: a one-value exchange {rows['probe_s'] * 1e3:.2f} ms, horovod_ext "
+              f"exchanges {'every size' if limit is None else 'up to ' + _spawn.human(limit)}"
+              f"\n{'bytes':>10} {'ring ms':>9} {'exchange ms':>12} {'ratio':>6} {'horovod_ext ms':>15}")
+        for row in rows["rows"]:
+            ring, exch, ours = (statistics.median(row[k + "_ms"])
+                                for k in ("ring", "exchange", "horovod_ext"))
+            print(f"{_spawn.human(row['bytes']):>10} {ring:9.3f} {exch:12.3f} {exch / ring:6.2f} "
+                  f"{ours:15.3f}", flush=True)
     _spawn.write_report(args.out, report)
 
 

@@ -270,3 +270,40 @@ def body_two_rank_sum_bits():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_ranks_sum_to_the_same_exact_bits(backend):
     assert run_ranks(body_two_rank_sum_bits, 2, backend) == ["ok", "ok"]
+
+
+def body_pair_exchange_by_distance(far_exchange_s):
+    """Gloo sums of 1 KiB and 3 MiB on the world communicator of two ranks, with the far-pair
+    threshold set to ``far_exchange_s``: how each was summed, and whether it is exactly a + b."""
+    from horovod_ext.backends import pair_exchange
+    from horovod_ext.engine import runtime
+    import horovod_ext.torch as hvd
+    pair_exchange.FAR_EXCHANGE_S = far_exchange_s
+    exchanged = []
+    plain_sum = pair_exchange.PairExchange.sum
+    pair_exchange.PairExchange.sum = lambda self, t: (exchanged.append(t.numel()),
+                                                      plain_sum(self, t))
+    world, r = runtime.state.comms.world, hvd.rank()
+    exact = []
+    for numel in (256, 3 << 18):
+        data = [torch.randn(numel, generator=torch.Generator().manual_seed(5 * k + numel))
+                for k in range(2)]
+        got = world.allreduce(data[r].clone())
+        exact.append(torch.equal(got, data[0] + data[1]))
+    return world.pair.probe_s, world.pair.max_bytes, exchanged, exact
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("far", [True, False], ids=["far", "near"])
+def test_a_far_pair_sums_every_size_by_exchange(far):
+    """A two-rank Gloo group times a one-value exchange at its first sum: a far pair (here: the
+    threshold set to 0 s) sums buffers of any size by one exchange, a near one (threshold
+    infinite) only those up to 1 MiB, the 3 MiB one by Gloo's ring; both ranks time the same
+    probe and decide alike, and every sum is the exact a + b."""
+    results = run_ranks(body_pair_exchange_by_distance, 2, "gloo",
+                        args=(0.0 if far else float("inf"),))
+    (probe0, max0, exchanged0, exact0), (probe1, max1, exchanged1, exact1) = results
+    assert probe0 == probe1 and probe0 > 0
+    assert max0 == max1 == (float("inf") if far else 1 << 20)
+    assert exchanged0 == exchanged1 == ([256, 3 << 18] if far else [256])
+    assert exact0 == exact1 == [True, True]

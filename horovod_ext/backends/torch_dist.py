@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import devices, staging
+from . import devices, pair_exchange, staging
 from .base import CommunicationError, Communicator, ReduceOp
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on releases either side of that.
@@ -34,13 +34,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _WAIT_SLICE = datetime.timedelta(milliseconds=100)   # how soon a blocked call sees an abort
 _ABANDONED = []   # aborted Gloo groups, never destroyed (see the module's docstring)
 
-# Two ranks sum buffers up to this size by one exchange (_exchange_sum).  Measured between two
-# lab hosts (benchmarks/pair_exchange.py, docs/benchmarks/pair_exchange.json), exchange / ring
-# from 1 KiB to 1 MiB: with 20 ms more round trip 0.50-0.59 at 1 Gbit/s (21-30 ms against
-# 43-50 ms) and 0.50-0.87 at 100 Mbit/s; without it 0.43-1.04 at 1 Gbit/s and 100 Mbit/s.  From
-# 4 MiB up without added latency the ring was up to 5% faster (it overlaps its sums with the
-# transfers), so larger buffers keep it.
-_EXCHANGE_MAX_BYTES = 1 << 20
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
               ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
@@ -105,6 +98,7 @@ class TorchCommunicator(Communicator):
         self._gpu_error = None  # None: not checked yet; "": every rank has a GPU of its own
         self._aborted = None    # why waits end at once: a peer has failed (abort)
         self._p2p_waiter = None  # made at the first send/receive over Gloo
+        self.pair = pair_exchange.PairExchange(self) if self.size == 2 else None
 
     @classmethod
     def world(cls, use_nccl: bool, timeout: datetime.timedelta) -> "TorchCommunicator":
@@ -212,19 +206,9 @@ class TorchCommunicator(Communicator):
             return
         group, t, _ = self._group_for(tensor)
         if (group is self._cpu_group and self.size == 2 and op == ReduceOp.SUM
-                and t.numel() * t.element_size() <= _EXCHANGE_MAX_BYTES):
-            return self._exchange_sum(t)
+                and self.pair.takes(t)):
+            return self.pair.sum(t)
         self._call(dist.all_reduce, t, op=_TORCH_OPS[op], group=group)
-
-    def _exchange_sum(self, t):
-        """A two-rank Gloo sum as one exchange of whole tensors: the same bytes on the wire as
-        Gloo's ring, in one round trip where the ring takes two (its reduce-scatter and
-        allgather steps each wait for the peer's go-ahead).  Both ranks compute a + b with the
-        operands swapped, which IEEE addition makes the same bits."""
-        other = torch.empty_like(t)
-        peer = 1 - self.rank
-        self.sendrecv(t, peer, other, peer)
-        t.add_(other)
 
     @_wrap_errors
     def _allgather(self, tensor, counts):
