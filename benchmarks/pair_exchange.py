@@ -69,8 +69,7 @@ def worker(args):
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump({"rows": rows, "probe_s": comm.pair.probe_s,
-                       "exchange_max_bytes": None if comm.pair.max_bytes == float("inf")
-                       else comm.pair.max_bytes}, f)
+                       "exchange_max_bytes": comm.pair.max_bytes}, f)
 
 
 def run_link(link, args):
@@ -109,7 +108,7 @@ def main():
         report["links"][link] = rows
         limit = rows["exchange_max_bytes"]
         print(f"\n{link}: a one-value exchange {rows['probe_s'] * 1e3:.2f} ms, horovod_ext "
-              f"exchanges {'every size' if limit is None else 'up to ' + _spawn.human(limit)}"
+              f"exchanges up to {_spawn.human(limit)}"
               f"\n{'bytes':>10} {'ring ms':>9} {'exchange ms':>12} {'ratio':>6} {'horovod_ext ms':>15}")
         for row in rows["rows"]:
             ring, exch, ours = (statistics.median(row[k + "_ms"])

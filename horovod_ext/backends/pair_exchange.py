@@ -9,13 +9,17 @@ latency, 0.50-0.87 with 20 ms more round trip; from 4 MiB up without added laten
 up to 5% faster, with 20 ms the exchange still was at 16 MiB (164 against 295 ms at 1 Gbit/s,
 1430 against 1573 ms at 100 Mbit/s).  So a near pair exchanges buffers up to
 ``NEAR_MAX_BYTES`` and a far one (a one-value exchange of ``FAR_EXCHANGE_S`` or more: the lab's
-20 ms link gives about 21 ms, loopback and a LAN well under a millisecond) buffers of any size.
+20 ms link gives about 21 ms, loopback and a LAN well under a millisecond) buffers up to
+``FAR_MAX_BYTES``: the exchange holds the peer's whole buffer beside this rank's, and a fusion
+buffer is at most 64 MiB unless the user raises HOROVOD_FUSION_THRESHOLD; beyond that, one round
+trip more is little against the transfer.
 """
 import time
 
 import torch
 
 NEAR_MAX_BYTES = 1 << 20
+FAR_MAX_BYTES = 1 << 26
 FAR_EXCHANGE_S = 1e-3
 PROBES = 5   # one-value exchanges timed to tell a far pair from a near one (the least counts)
 
@@ -34,7 +38,7 @@ class PairExchange:
         make it at the same sum, as every collective is made in the same order)."""
         if self.max_bytes is None:
             self.probe_s = self._probe()
-            self.max_bytes = float("inf") if self.probe_s >= FAR_EXCHANGE_S else NEAR_MAX_BYTES
+            self.max_bytes = FAR_MAX_BYTES if self.probe_s >= FAR_EXCHANGE_S else NEAR_MAX_BYTES
         return t.numel() * t.element_size() <= self.max_bytes
 
     def _probe(self) -> float:
