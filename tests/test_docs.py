@@ -123,7 +123,8 @@ PRINTED = {  # pages whose tables a benchmark prints from their data: the page h
         for name in ("head_to_head_cnn", "head_to_head_lm", "head_to_head_lm_2x2",
                      "head_to_head_cnn_powersgd_2x2", "benchmarks/head_to_head_lm_internet",
                      "benchmarks/head_to_head_lm_internet_6000",
-                     "benchmarks/head_to_head_lm_internet_6000_2x2")],
+                     "benchmarks/head_to_head_lm_internet_6000_2x2",
+                     "benchmarks/head_to_head_lm_internet_10000")],
     "benchmarks/ddp_parity.md": [
         ["ddp_parity.py", "--markdown", "docs/benchmarks/ddp_parity_2x1.json"]],
     "benchmarks/end_to_end.md": [
