@@ -261,6 +261,7 @@ def body_bucket_views():
                 q.grad = torch.zeros_like(q)
         opt.step()
         ref_opt.step()
+        buckets = opt._hvd.reducer.buckets   # planned anew in arrival order after step 0
         lo = buckets[0].flat.data_ptr()
         hi = lo + buckets[0].flat.numel() * 8
         assert all(lo <= p.grad.data_ptr() < hi for p in model.parameters()), step
@@ -472,3 +473,62 @@ def test_finite_guard_tells_overflowing_sums_from_non_finite_gradients():
     assert mode_from("0", {"HOROVOD_CHECK_FINITE": "raise"}) is None
     with pytest.raises(ValueError, match="HOROVOD_CHECK_FINITE='maybe'"):
         mode_from(None, {"HOROVOD_CHECK_FINITE": "maybe"})
+
+
+def body_buckets_follow_arrival_order():
+    """A model that registers its head before its body (forward: head(body(x))), so backward
+    produces the head's gradients first while the reverse registration order puts the body's
+    first; buckets of 600 bytes.  Per step: the parameter names of each bucket and the averaged
+    gradients, against the mean of both ranks' own gradients computed here."""
+    import horovod_ext.torch as hvd
+
+    class HeadFirst(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(30, 2)    # 248 bytes of gradients
+            self.body = torch.nn.Linear(4, 30)    # 600
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+
+    torch.manual_seed(0)
+    model = HeadFirst()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    buckets, close = [], []
+    for step in range(3):
+        inputs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + r))
+                  for r in range(2)]
+        own = []
+        for x in inputs:   # both ranks' gradients, computed here on a copy for the reference
+            plain = HeadFirst()
+            plain.load_state_dict(model.state_dict())
+            plain(x).square().sum().backward()
+            own.append({n: p.grad.clone() for n, p in plain.named_parameters()})
+        opt.zero_grad()
+        model(inputs[hvd.rank()]).square().sum().backward()
+        opt.synchronize()
+        close.append(all(torch.allclose(p.grad, (own[0][n] + own[1][n]) / 2, atol=1e-6)
+                         for n, p in model.named_parameters()))
+        buckets.append([[names[id(p)] for p in b.params] for b in opt._hvd.reducer.buckets])
+        with opt.skip_synchronize():
+            opt.step()
+    return buckets, close
+
+
+@pytest.mark.timeout(120)
+def test_buckets_follow_the_order_gradients_arrive_in():
+    """After the first step the buckets are planned in the order backward produced the
+    gradients (rank 0's, the same on every rank), as DDP rebuilds its buckets: the head's
+    bucket, whose gradients come first, becomes bucket 0; every step's average stays exact."""
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600"}   # the body's gradients fill one
+    results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
+    assert results[0] == results[1]
+    buckets, close = results[0]
+    assert close == [True, True, True]
+    head = {"head.weight", "head.bias"}
+    assert buckets[0][0] == ["body.bias", "body.weight"]   # registration order, reversed
+    assert not head & set(buckets[0][0])
+    assert head <= set(buckets[1][0])                       # arrival order: the head's first
+    assert buckets[2] == buckets[1]

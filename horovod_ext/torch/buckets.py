@@ -7,8 +7,11 @@ accumulates straight into the bucket, and a bucket is reduced in place with one 
 all its gradients are in: no packing or unpacking copies, and a few large transfers instead of
 one per tensor (each call has a fixed latency, whatever its size).
 
-Buckets follow the reverse of the parameter order, the order backward produces gradients in, and
-hold up to HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
+Buckets follow the reverse of the parameter order (the order backward usually produces gradients
+in) for the first step, and from then on the order the gradients did arrive in, rank 0's, as DDP
+rebuilds its buckets (reduction.follow_arrival_order: a bucket waits for its last gradient, and a
+pre-LN transformer layer registers its first norm after the linear layers that backward reaches
+before it).  They hold up to HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
 HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
 as in Horovod).  HOROVOD_FIRST_BUCKET_BYTES caps the first bucket, backward's first gradients,
 as DDP's 1 MiB first bucket does; it is off by default because a separate early reduction

@@ -32,7 +32,7 @@ from horovod_ext.engine import runtime
 from horovod_ext.ops import Average, get_op
 from . import finite, reduction
 from .compression import Compression
-from .mpi_ops import global_process_set
+from .mpi_ops import broadcast_object, global_process_set
 from .param_names import name_parameters
 
 
@@ -131,6 +131,11 @@ class _DistributedMixin:
             inner = functools.partial(self._hvd_finite.step, inner)
         result = self._hvd.reducer.step(inner, closure, self.synchronize)
         self._hvd_autotune_step()
+        process_set = self._hvd.settings.process_set
+        first = process_set.ranks[0] if process_set.ranks else 0   # the set's rank 0
+        reduction.follow_arrival_order(self._hvd, lambda order: broadcast_object(
+            order, root_rank=first, name="DistributedOptimizer.arrival_order",
+            process_set=process_set))
         return result
 
     # The op's own state (PowerSGD's errors and Q factors, 1-bit's errors) travels with the

@@ -82,8 +82,33 @@ def _plan_buckets(state: OptimizerState, cap: int) -> List[_buckets.Bucket]:
     elementwise op (per-layer ops such as Adasum or 1-bit need tensor boundaries), no explicit
     ``groups``, fusion on, dense strided parameters; sparse ones left the buckets for good."""
     settings, layout = state.settings, state.layout
-    params = [p for p in layout.params if id(p) not in layout.sparse]
+    ordered = layout.params if layout.arrival_order is None else \
+        [layout.params[i] for i in reversed(layout.arrival_order)]   # planned from the end
+    params = [p for p in ordered if id(p) not in layout.sparse]
     if (settings.explicit_groups or not settings.op.elementwise or cap == 0 or not params
             or not _buckets.eligible(params)):
         return []
     return _buckets.plan(params, cap, first_bucket_cap())
+
+
+def follow_arrival_order(state: OptimizerState, broadcast) -> None:
+    """After the first step, plan the gradient buckets in the order backward produced the
+    gradients, as DDP rebuilds its buckets: the order of parameter registration can differ
+    (a pre-LN transformer layer registers its first norm after its linear layers, and
+    backward reaches it last), and a bucket waits for its last gradient.  ``broadcast``
+    hands every rank rank 0's order, so that all plan alike.  Collective over the optimizer's
+    process set: at the first step of each generation of the world (hvd.init, an elastic
+    reset), which every rank of that generation, old or new, takes at the same point."""
+    reducer, layout = state.plan.reducer, state.layout
+    if layout.arrival_generation == state.progress.generation or \
+            not isinstance(reducer, BucketReducer):
+        return
+    before = layout.arrival_order or list(reversed(range(len(layout.params))))
+    layout.arrival_order = broadcast(reducer.observed_order())
+    layout.arrival_generation = state.progress.generation
+    if layout.arrival_order != before:
+        replan(state)
+        for bucket in getattr(state.plan.reducer, "buckets", []):   # the step's gradients move in
+            for p in bucket.params:
+                if p.grad is not None:
+                    bucket.adopt(p, True, layout.names[id(p)])

@@ -50,6 +50,11 @@ class Layout:
     # parameter leaves the buckets and is reduced as sparse (or zeros of its kind) from then on
     sparse: Dict[int, int] = field(default_factory=dict)
     step_bytes: int = 0                            # what a step reduces, for autotune
+    # indices into params in the order backward produced their gradients (rank 0's, learnt
+    # at the first step of each generation of the world): gradient buckets follow it; None
+    # until then
+    arrival_order: Optional[List[int]] = None
+    arrival_generation: int = -1
 
     @classmethod
     def build(cls, params: List[torch.Tensor], names: Dict[int, str], groups) -> "Layout":
