@@ -131,12 +131,15 @@ class _DistributedMixin:
             inner = functools.partial(self._hvd_finite.step, inner)
         result = self._hvd.reducer.step(inner, closure, self.synchronize)
         self._hvd_autotune_step()
-        process_set = self._hvd.settings.process_set
-        first = process_set.ranks[0] if process_set.ranks else 0   # the set's rank 0
-        reduction.follow_arrival_order(self._hvd, lambda order: broadcast_object(
-            order, root_rank=first, name="DistributedOptimizer.arrival_order",
-            process_set=process_set))
+        reduction.follow_arrival_order(self._hvd, self._hvd_from_first_rank)
         return result
+
+    def _hvd_from_first_rank(self, order):
+        """The process set's first rank's ``order`` (of gradient arrival), on every rank."""
+        process_set = self._hvd.settings.process_set
+        first = process_set.ranks[0] if process_set.ranks else 0
+        return broadcast_object(order, root_rank=first, name="DistributedOptimizer.arrival_order",
+                                process_set=process_set)
 
     # The op's own state (PowerSGD's errors and Q factors, 1-bit's errors) travels with the
     # optimizer's, so that a checkpoint resumes bitwise.

@@ -116,19 +116,21 @@ class BucketReducer(GroupReducer):
         super().__init__(state)
         self.buckets = buckets
         self.bucket_of = {id(p): b for b in buckets for p in b.params}
-        self.arrived: List[int] = []   # ids, in the order backward produced them (first step)
+        # ids, in the order backward produced them, until the order is learnt (an ordered set:
+        # bounded however many steps pass before step() learns it)
+        self.arrived: Dict[int, None] = {}
 
     def observed_order(self) -> List[int]:
         """Indices into the layout's parameters in the order their gradients arrived, those
         that never came last (in reverse parameter order, as buckets are planned by default)."""
         index = {id(p): i for i, p in enumerate(self.layout.params)}
-        order = list(dict.fromkeys(index[i] for i in self.arrived if i in index))
+        order = [index[i] for i in self.arrived if i in index]
         came = set(order)
         return order + [i for i in reversed(range(len(self.layout.params))) if i not in came]
 
     def route(self, p: torch.Tensor) -> None:
         if self.layout.arrival_generation != self.progress.generation:
-            self.arrived.append(id(p))
+            self.arrived.setdefault(id(p))
         if p.grad is not None and p.grad.is_sparse and id(p) in self.bucket_of:
             self.leave(p)
         bucket = self.bucket_of.get(id(p))
