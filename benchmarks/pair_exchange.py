@@ -7,8 +7,8 @@ Why the communicator sums small buffers of a two-rank Gloo group by an exchange 
 tensor, receive the peer's, add): Gloo's ring takes two steps for two ranks, and each step waits
 for the peer's go-ahead, so it pays two round trips where the exchange pays one, for the same
 bytes.  Raw torch.distributed on both sides, beside horovod_ext's communicator, which picks one
-of the two by size and by how far apart the pair is (backends/pair_exchange.py).  Per size, the two take
-turns in 5 blocks of back-to-back calls started by a barrier; the median of the blocks is
+of the two by size and by how far apart the pair is (backends/pair_exchange.py).  Per size, the
+three take turns in 5 blocks of back-to-back calls started by a barrier; the median of the blocks is
 reported.  Links are benchmarks/_spawn.lab's (a rate, or a rate and an added round trip); each
 lab link puts one rank on each of two hosts.  Prints a table and writes JSON.
 """
@@ -73,9 +73,10 @@ def worker(args):
 
 
 def run_link(link, args):
-    """The worker's rows on ``link``: loopback ranks, or one rank on each of two lab hosts."""
-    result = os.path.join("/tmp", f"pair_exchange_{os.getpid()}.json")
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--result", result,
+    """The worker's result on ``link`` (its rows, its pair's probe time and exchange limit):
+    loopback ranks, or one rank on each of two lab hosts."""
+    path = os.path.join("/tmp", f"pair_exchange_{os.getpid()}.json")
+    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--result", path,
             "--budget", str(args.budget)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=_spawn.REPO)
     if link == "loopback":
@@ -87,10 +88,10 @@ def run_link(link, args):
     for p in procs:
         if p.wait(timeout=1200) != 0:
             raise RuntimeError(f"{link}: a rank failed")
-    with open(result) as f:
-        rows = json.load(f)
-    os.unlink(result)
-    return rows
+    with open(path) as f:
+        result = json.load(f)
+    os.unlink(path)
+    return result
 
 
 def main():
@@ -104,13 +105,13 @@ def main():
     report = dict(_spawn.provenance(), benchmark="pair_exchange", links={})
     for link in args.links.split(","):
         with _spawn.lab(2, link) if link != "loopback" else contextlib.nullcontext():
-            rows = run_link(link, args)
-        report["links"][link] = rows
-        limit = rows["exchange_max_bytes"]
-        print(f"\n{link}: a one-value exchange {rows['probe_s'] * 1e3:.2f} ms, horovod_ext "
-              f"exchanges up to {_spawn.human(limit)}"
-              f"\n{'bytes':>10} {'ring ms':>9} {'exchange ms':>12} {'ratio':>6} {'horovod_ext ms':>15}")
-        for row in rows["rows"]:
+            result = run_link(link, args)
+        report["links"][link] = result
+        print(f"\n{link}: a one-value exchange {result['probe_s'] * 1e3:.2f} ms, horovod_ext "
+              f"exchanges up to {_spawn.human(result['exchange_max_bytes'])}\n"
+              f"{'bytes':>10} {'ring ms':>9} {'exchange ms':>12} {'ratio':>6} "
+              f"{'horovod_ext ms':>15}")
+        for row in result["rows"]:
             ring, exch, ours = (statistics.median(row[k + "_ms"])
                                 for k in ("ring", "exchange", "horovod_ext"))
             print(f"{_spawn.human(row['bytes']):>10} {ring:9.3f} {exch:12.3f} {exch / ring:6.2f} "
