@@ -66,6 +66,41 @@ def test_op_failing_on_two_of_four_ranks_fails_every_rank_at_once(shared_memory)
         assert after == [4.0, 4.0], after
 
 
+def body_refused_on_every_rank(whole_job):
+    """Every rank's op refuses the request alike before moving any data (as the shared-GPU
+    check does): what that request and the next one on CPU tensors give."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends.base import RefusedOnEveryRank
+    from horovod_ext.ops import Op
+
+    class RefusesEverywhere(Op):
+        name = "test_refuses_everywhere"
+
+        def allreduce(self, buffer, layers, comms):
+            raise RefusedOnEveryRank("refused alike on every rank", whole_job=whole_job)
+
+    op = hvd.register_op(RefusesEverywhere())
+    outcomes = []
+    for name, request_op in (("refused", op), ("next", hvd.Sum)):
+        try:
+            outcomes.append(hvd.allreduce(torch.ones(3), op=request_op, name=name).tolist())
+        except hvd.HorovodInternalError as exc:
+            outcomes.append(str(exc))
+    return outcomes
+
+
+@pytest.mark.timeout(90)
+def test_a_refusal_made_alike_on_every_rank_fails_only_its_request():
+    """A refusal every rank of the job derives alike fails that request on every rank and the
+    engine goes on; a refusal within a subgroup stops the engine like any error."""
+    for refused, following in run_ranks(body_refused_on_every_rank, 2, "gloo", args=(True,)):
+        assert "'refused' failed: refused alike on every rank" in refused, refused
+        assert following == [2.0, 2.0, 2.0]
+    for refused, following in run_ranks(body_refused_on_every_rank, 2, "gloo", args=(False,)):
+        assert "'refused' failed: refused alike on every rank" in refused, refused
+        assert "stopped" in following, following
+
+
 def body_rank_stops_mid_collective(heartbeat_s):
     """Rank 1 stops (SIGSTOP) inside an op, after rank 0 has entered the collective: rank 0 is
     left waiting in a transfer for it, with a minute's timeout."""

@@ -21,6 +21,17 @@ class CommunicationError(RuntimeError):
     """A collective failed: a peer died, stopped answering, or the transport broke."""
 
 
+class RefusedOnEveryRank(ValueError):
+    """A call refused before any data moved, for a reason the ranks derived from the same
+    gathered facts.  ``whole_job``: every rank of the job raises it alike, so only that request
+    fails and the engine goes on (no peer is left waiting mid-collective); a refusal within a
+    subgroup leaves the other ranks in the collective, so it stops the engine as any error."""
+
+    def __init__(self, message: str, whole_job: bool):
+        super().__init__(message)
+        self.whole_job = whole_job
+
+
 class ReduceOp(enum.Enum):
     SUM = "sum"
     MIN = "min"

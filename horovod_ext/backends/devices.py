@@ -20,6 +20,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .base import RefusedOnEveryRank
+
 
 class Gpu(NamedTuple):
     host: str
@@ -27,9 +29,10 @@ class Gpu(NamedTuple):
     index: Optional[int] = None  # torch's index in that process, for the message
 
 
-class SharedGpuError(ValueError):
-    """Ranks of one NCCL communicator drive the same GPU.  A ValueError, not a
-    CommunicationError: the transport is intact, only CUDA requests fail (CPU ones still run)."""
+class SharedGpuError(RefusedOnEveryRank):
+    """Ranks of one NCCL communicator drive the same GPU.  Not a CommunicationError: the
+    transport is intact, every rank decided alike from the gathered GPUs, and only CUDA requests
+    fail (CPU ones still run)."""
 
 
 FIX = ("Pin each process to its own GPU, Horovod's recipe: call "

@@ -165,7 +165,8 @@ class TorchCommunicator(Communicator):
             if self._gpu_error is None and collective:
                 self._gpu_error = self.shared_gpu_error(devices.local_gpu(tensor.device)) or ""
             if self._gpu_error:
-                raise devices.SharedGpuError(self._gpu_error)
+                raise devices.SharedGpuError(self._gpu_error,
+                                             whole_job=self.size == dist.get_world_size())
             return self._cuda_group, tensor, None
         if staging.needed(tensor, device_readable=False):  # no NCCL: host memory over Gloo
             stager = staging.stager()

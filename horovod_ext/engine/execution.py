@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from horovod_ext.backends import trace
-from horovod_ext.backends.base import CommunicationError, split_sizes
+from horovod_ext.backends.base import CommunicationError, RefusedOnEveryRank, split_sizes
 from horovod_ext.backends.collectives import Collectives
 from horovod_ext.ops import Op, get_op, reduce_flat, scale_
 from .fusion import Batch, FusionBuffers, layers_of
@@ -159,8 +159,9 @@ class Executor:
 
     def _fail(self, members: List[Request], error: HorovodInternalError, cause: Exception):
         """An op or runner raised: with peers, which may wait mid-collective, the engine stops
-        (raised); alone, only ``members`` fail."""
-        if self.size > 1:
+        (raised); alone, or refused alike on every rank before any data moved, only ``members``
+        fail."""
+        if self.size > 1 and not (isinstance(cause, RefusedOnEveryRank) and cause.whole_job):
             raise error from cause
         for r in members:
             r.handle._finish(error=error)
