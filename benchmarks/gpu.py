@@ -12,10 +12,11 @@ most 1.5x).  GB/s counts the bytes of the input once (a copy moves them twice: r
 
 Rows: ``copy`` (``dst.copy_(src)``, --mib MiB of float32); ``onebit_compress`` and
 ``onebit_decompress`` (``horovod_ext.algorithms.onebit.compress``/``decompress`` of the same
-tensor, one scale); ``randomk_select`` (the shared mask at ``--ratio``:
+tensor, one scale: the fused kernels on a GPU), and the same ``_unfused`` (the plain torch code,
+HOROVOD_FUSED_KERNELS=off); ``randomk_select`` (the shared mask at ``--ratio``:
 ``random_k_indices``), ``randomk_gather`` (``index_select`` of the selected values) and
 ``randomk_scatter`` (``index_copy_`` back); ``adam_fused``, ``adam_foreach``, ``lamb``
-(``hvd.Lamb``), ``onebit_adam_warmup`` (``hvd.OnebitAdam`` before its freeze step) and ``slamb``
+(``hvd.Lamb``: the fused kernels on a GPU), ``lamb_unfused`` (its plain torch code), ``onebit_adam_warmup`` (``hvd.OnebitAdam`` before its freeze step) and ``slamb``
 (``hvd.SLAMB``, ``overlap=False`` so that its sync is part of the step) on ``--params``
 parameters in 1024-wide matrices with gradients set; ``allreduce`` of --allreduce-mib MiB
 (``hvd.allreduce_``, Sum) on a device tensor and on a CPU tensor: at np=1 nothing crosses a wire,
@@ -33,6 +34,7 @@ Without CUDA it says so and exits 0 (``--device cpu`` runs the table on the CPU)
 (``--out``: a file, or a folder to hold gpu.json) naming the device, torch, CUDA and NCCL
 versions, the commit and the date.
 """
+import contextlib
 import datetime
 import os
 import platform
@@ -48,6 +50,25 @@ import torch  # noqa: E402
 
 MIB = 1024 * 1024
 WIDTH = 1024               # optimizer benchmark: parameters are WIDTH-wide matrices
+
+
+@contextlib.contextmanager
+def unfused():
+    """The plain torch code instead of the fused kernels (HOROVOD_FUSED_KERNELS=off)."""
+    before = os.environ.get("HOROVOD_FUSED_KERNELS")
+    os.environ["HOROVOD_FUSED_KERNELS"] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HOROVOD_FUSED_KERNELS"]
+        else:
+            os.environ["HOROVOD_FUSED_KERNELS"] = before
+
+
+def timed_unfused(fn, reps: int, sync):
+    with unfused():
+        return timed(fn, reps, sync)
 
 
 def timed(fn, reps: int, sync):
@@ -104,7 +125,12 @@ def bandwidth_rows(args, device, sync):
                 (">=", 0.5)),
             row("onebit_decompress", "1-bit decompress",
                 timed(lambda: decompress(packed, scales, [numel], x.dtype, out=dst),
-                      args.reps, sync), nbytes, base, (">=", 0.5))]
+                      args.reps, sync), nbytes, base, (">=", 0.5)),
+            row("onebit_compress_unfused", "1-bit compress, the plain torch code",
+                timed_unfused(lambda: compress(x, out=packed), args.reps, sync), nbytes, base),
+            row("onebit_decompress_unfused", "1-bit decompress, the plain torch code",
+                timed_unfused(lambda: decompress(packed, scales, [numel], x.dtype, out=dst),
+                              args.reps, sync), nbytes, base)]
     idx = random_k_indices(numel, args.ratio, 0, 1, "bench", device)
     values = x.index_select(0, idx)
     rows += [row("randomk_select", f"random-k mask, k={args.ratio:g}",
@@ -138,6 +164,7 @@ def optimizer_rows(args, device, sync):
         ("adam_foreach", "torch Adam, foreach=True",
          lambda p: torch.optim.Adam(p, foreach=True)),
         ("lamb", "hvd.Lamb", lambda p: hvd.Lamb(p)),
+        ("lamb_unfused", "hvd.Lamb, the plain torch code", lambda p: hvd.Lamb(p)),
         ("onebit_adam_warmup", "hvd.OnebitAdam, warm-up steps",
          lambda p: hvd.OnebitAdam(p, freeze_step=10 ** 9)),
         ("slamb", "hvd.SLAMB, k=0.1, overlap=False",
@@ -148,7 +175,8 @@ def optimizer_rows(args, device, sync):
         opt = make(params)
         n = sum(p.numel() for p in params)
         target = ("<=", 1.5) if name in ("lamb", "slamb") else None
-        r = row(name, f"{what}, {n / 1e6:.1f}M parameters", timed(opt.step, args.reps, sync),
+        timer = timed_unfused if name.endswith("_unfused") else timed
+        r = row(name, f"{what}, {n / 1e6:.1f}M parameters", timer(opt.step, args.reps, sync),
                 None, base, target if base else None)
         base = base or ("adam_fused", r)
         rows.append(r)

@@ -49,6 +49,14 @@ def _choice(*options):
     return parse
 
 
+def fused_kernels(env: Mapping[str, str] = os.environ) -> str:
+    """HOROVOD_FUSED_KERNELS: which tensors the torch.compile'd kernels serve: "cuda" (the
+    default), "all" (CPU tensors too, which is how the tests check them without a GPU) or
+    "off" (the plain torch code everywhere)."""
+    return _get(env, "HOROVOD_FUSED_KERNELS", "cuda", _choice("cuda", "all", "off"),
+                expect="'cuda', 'all' or 'off'")
+
+
 @dataclass
 class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # bytes; 0 disables fusion
@@ -75,6 +83,7 @@ class Config:
     timeline: Optional[str] = None               # file; "DYNAMIC": hvd.start_timeline only
     timeline_mark_cycles: bool = False
     timeline_all_ranks: bool = False             # one file per rank, not rank 0's alone
+    fused_kernels: str = "cuda"                  # "cuda" | "all" | "off"
     autotune: bool = False
     autotune_log: Optional[str] = None
     autotune_warmup_samples: int = 3
@@ -137,6 +146,7 @@ class Config:
                                       expect="0 or 1"),
             timeline_all_ranks=_get(env, "HOROVOD_TIMELINE_ALL_RANKS", False, _bool,
                                     expect="0 or 1"),
+            fused_kernels=fused_kernels(env),
             autotune=_get(env, "HOROVOD_AUTOTUNE", False, _bool, expect="0 or 1"),
             autotune_log=_get(env, "HOROVOD_AUTOTUNE_LOG", None, str),
             autotune_warmup_samples=_get(env, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, int,

@@ -400,9 +400,11 @@ def test_gpu_benchmark_runs_its_table_on_the_cpu(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "gpu.json").read_text())
     rows = {r["name"]: r for r in report["rows"]}
-    assert list(rows) == ["copy", "onebit_compress", "onebit_decompress", "randomk_select",
-                          "randomk_gather", "randomk_scatter", "adam_fused", "adam_foreach",
-                          "lamb", "onebit_adam_warmup", "slamb", "allreduce"]
+    assert list(rows) == ["copy", "onebit_compress", "onebit_decompress",
+                          "onebit_compress_unfused", "onebit_decompress_unfused",
+                          "randomk_select", "randomk_gather", "randomk_scatter", "adam_fused",
+                          "adam_foreach", "lamb", "lamb_unfused", "onebit_adam_warmup", "slamb",
+                          "allreduce"]
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
     assert report["commit"] and report["date"]
     copy = rows["copy"]

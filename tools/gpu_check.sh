@@ -140,7 +140,7 @@ if "$py" -c "import pytest" 2> /dev/null; then
 else
   say "cuda_tests, api_tests: NOT RUN, $py has no pytest"; failed=1
 fi
-step benchmark 75 "$py" benchmarks/gpu.py --out "$out"
+step benchmark 120 "$py" benchmarks/gpu.py --out "$out"
 verdict="every step passed"
 [ $failed -eq 0 ] || verdict="some steps did not pass"
 say "$verdict in $((SECONDS - start)) s; results in $out"

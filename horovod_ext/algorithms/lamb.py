@@ -28,6 +28,8 @@ import torch
 
 from horovod_ext.backends import native
 
+from . import compiled
+
 Number = Union[float, torch.Tensor]
 
 # DeepSpeed's FusedLamb / OnebitLamb defaults for the clip bounds.
@@ -134,9 +136,8 @@ class Lamb(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 if p.grad.is_sparse:
                     raise RuntimeError("Lamb does not support sparse gradients")
                 state = self.state[p]
@@ -145,6 +146,10 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
+            if self._fused_steps(params, group):
+                continue
+            for p in params:
+                state = self.state[p]
                 if self.native_kernels and self._native_step(p, state, group):
                     continue
                 update_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
@@ -155,6 +160,31 @@ class Lamb(torch.optim.Optimizer):
                 state["lamb_coeff"] = coeff
                 p.sub_(u * (coeff.to(u.dtype) * group["lr"]))
         return loss
+
+    def _fused_steps(self, params, group: dict) -> bool:
+        """The group's steps as fused kernels (``compiled``) where they serve these tensors:
+        one pass for the moments, the update and both norms, one for the parameters; False
+        (nothing done) otherwise."""
+        if not params or not all(compiled.used_for(p) and p.device == params[0].device
+                                 and p.is_contiguous() for p in params):
+            return False
+        steps = {self.state[p]["step"] for p in params}
+        if len(steps) != 1:    # parameters added at different times: one step at a time
+            return False
+        beta1, beta2 = group["betas"]
+        bc1, bc2 = bias_corrections(steps.pop(), beta1, beta2, group["bias_correction"])
+        hyper = torch.tensor([beta1, 1.0 - beta1, beta2, 1.0 - beta2, bc1, bc2, group["eps"],
+                              group["weight_decay"], group["lr"], group["min_coeff"],
+                              group["max_coeff"]], dtype=torch.float64)
+        states = [self.state[p] for p in params]
+        coeffs = fused_lamb_steps_(params, [p.grad for p in params],
+                                   [s["exp_avg"] for s in states],
+                                   [s["exp_avg_sq"] for s in states],
+                                   hyper.to(params[0].device, non_blocking=True),
+                                   bool(group["eps_inside_sqrt"]))
+        for state, coeff in zip(states, coeffs):
+            state["lamb_coeff"] = coeff
+        return True
 
     @staticmethod
     def _native_step(p: torch.Tensor, state: dict, group: dict) -> bool:
@@ -178,6 +208,29 @@ class Lamb(torch.optim.Optimizer):
         update(p.data_ptr(), m.data_ptr(), v.data_ptr(), None, p.numel(), 1, bc1, bc2, eps,
                inside, wd, float(coeff) * group["lr"], 0.0, 0.0)
         return True
+
+
+@compiled.kernel
+def fused_lamb_steps_(params, grads, exp_avgs, exp_avg_sqs, hyper: torch.Tensor,
+                      eps_inside_sqrt: bool):
+    """LAMB steps of tensors alike in device, as the per-tensor code above computes them;
+    ``hyper``: beta1, 1 - beta1, beta2, 1 - beta2, bc1, bc2, eps, weight_decay, lr, min_coeff,
+    max_coeff.  Returns each tensor's clipped coefficient."""
+    coeffs = []
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
+        h = hyper.to(torch.promote_types(p.dtype, torch.float32))
+        m.copy_(m * h[0] + g * h[1])
+        v.copy_(v * h[2] + g * g * h[3])
+        v_hat = v / h[5]
+        denom = (v_hat + h[6]).sqrt() if eps_inside_sqrt else v_hat.sqrt() + h[6]
+        u = (m / h[4]) / denom + p * h[7]
+        norm_dtype = torch.promote_types(p.dtype, torch.float32)
+        coeff = trust_ratio(torch.linalg.vector_norm(p, dtype=norm_dtype),
+                            torch.linalg.vector_norm(u, dtype=norm_dtype), 0.0, math.inf)
+        coeff = torch.minimum(torch.maximum(coeff, h[9]), h[10])
+        p.sub_(u * (coeff * h[8]).to(p.dtype))
+        coeffs.append(coeff)
+    return coeffs
 
 
 def check_lamb_args(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,

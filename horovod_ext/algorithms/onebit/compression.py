@@ -25,7 +25,8 @@ import torch
 
 from horovod_ext.backends import native
 
-from . import torch_code
+from . import fused, torch_code
+from .. import compiled
 from .blocks import BLOCK, Plan, Workspace, default_workspace, packed_bytes, scale_dtype
 
 # BLOCK, Workspace, packed_bytes and scale_dtype are re-exported: callers size and reuse
@@ -66,6 +67,8 @@ def settle_error_(error: torch.Tensor, scales: torch.Tensor, lengths: Sequence[i
                   ws: Optional[Workspace] = None) -> torch.Tensor:
     """Finish a deferred error update: ``error -= scale * sign(error)`` per segment, where
     ``error`` holds a compensated tensor that was compressed with ``scales``."""
+    if compiled.used_for(error):
+        return fused.settle_error_(error, scales, lengths)
     ws = ws or default_workspace()
     plan = ws.plan(error.numel(), lengths, error.device)
     kernel = _native("settle", [error])
@@ -92,6 +95,8 @@ def compensate_compress_(error: torch.Tensor, lengths: Sequence[int], out: torch
        error update is deferred to the next call or ``settle_error_``) into ``out``;
 
     returns the result's per-segment scales (``segment_scales``)."""
+    if compiled.used_for(error) and error.numel():
+        return fused.compensate_compress_(error, lengths, out, pending, dense, packed, divisor)
     plan = ws.plan(error.numel(), lengths, error.device)
     if _native("compress", [error, dense], [out, *(signs for signs, _ in packed)]) is not None:
         return _compress_native(error, error, plan, out, pending=pending, dense=dense,
@@ -127,6 +132,8 @@ def _compress_native(src: torch.Tensor, dst: Optional[torch.Tensor], plan: Plan,
 def decompress_into(packed: torch.Tensor, scales: torch.Tensor, lengths: Sequence[int],
                     out: torch.Tensor, ws: Workspace) -> torch.Tensor:
     """``sign * scale`` of the flat ``out`` (its dtype), segment ``i`` scaled by ``scales[i]``."""
+    if compiled.used_for(out):
+        return fused.decompress_into(packed, scales, lengths, out)
     plan = ws.plan(out.numel(), lengths, out.device)
     kernel = _native("decompress", [out], [packed])
     if kernel is None:
@@ -145,6 +152,8 @@ def pack_signs(x: torch.Tensor, out: Optional[torch.Tensor] = None,
     ws = ws or default_workspace()
     if out is None:
         out = torch.empty(packed_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    if compiled.used_for(x) and x.numel():
+        return fused.pack_signs(x, out)
     plan = ws.plan(x.numel(), [x.numel()] if x.numel() else [], x.device)
     return torch_code.pack_signs(x, plan, out, ws)
 
@@ -166,6 +175,8 @@ def segment_scales(x: torch.Tensor, lengths: Sequence[int],
                    ws: Optional[Workspace] = None) -> torch.Tensor:
     """``||s||_2 / sqrt(len(s))`` of each consecutive segment ``s`` of the flat ``x`` (lengths
     > 0, summing to ``x.numel()``), rounded to x's dtype, as a tensor of ``scale_dtype``."""
+    if compiled.used_for(x) and x.numel():
+        return fused.segment_scales(x, lengths)
     ws = ws or default_workspace()
     plan = ws.plan(x.numel(), lengths, x.device)
     return torch_code.segment_scales(x, plan, ws)
@@ -181,6 +192,8 @@ def compress(x: torch.Tensor, lengths: Optional[Sequence[int]] = None,
     lengths = [x.numel()] if lengths is None else list(lengths)
     if out is None:
         out = torch.empty(packed_bytes(x.numel()), dtype=torch.uint8, device=x.device)
+    if compiled.used_for(x) and x.numel():
+        return out, fused.compress(x, lengths, out)
     plan = ws.plan(x.numel(), lengths, x.device)
     if _native("compress", [x], [out]) is not None:
         return out, _compress_native(x, None, plan, out, normalise=True)

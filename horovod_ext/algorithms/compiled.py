@@ -1,0 +1,88 @@
+"""Fused kernels through torch.compile: which tensors use them, and the compile-on-first-call
+wrapper every kernel is declared with.
+
+A kernel is a plain torch function; torch.compile turns it into one or a few fused kernels
+(Triton on GPUs, C++ on CPUs), so the same code serves both devices and the tests check it on
+CPU tensors (``HOROVOD_FUSED_KERNELS=all``).  Shapes are dynamic: one compilation serves every
+size.  Where compiling fails (no compiler, a Triton that cannot build for this GPU) the function
+runs uncompiled, with one warning: slower, the same values.
+"""
+import functools
+import logging
+import os
+import threading
+import types
+
+import torch
+import torch._dynamo
+
+from horovod_ext import config
+
+_LOG = logging.getLogger("horovod_ext")
+_LOCK = threading.Lock()
+# Round every intermediate of a float16 / bfloat16 kernel to its dtype, as eager torch does:
+# the fused kernels give the torch code's values, not more precise ones.
+_OPTIONS = {"emulate_precision_casts": True}
+# what a failed compilation raises (a missing compiler or Triton surfaces as one of these)
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit,
+                   ImportError, OSError)
+
+
+@functools.lru_cache(maxsize=4)
+def _where(raw) -> str:
+    return config.fused_kernels({} if raw is None else {"HOROVOD_FUSED_KERNELS": raw})
+
+
+def used_for(t: torch.Tensor) -> bool:
+    """Whether the fused kernels serve tensors like ``t`` (HOROVOD_FUSED_KERNELS)."""
+    where = _where(os.environ.get("HOROVOD_FUSED_KERNELS"))
+    return where == "all" or (where == "cuda" and t.is_cuda)
+
+
+def _signature(args) -> tuple:
+    """What a compiled kernel is specialised on besides sizes: dtypes, devices, which optional
+    arguments are None, how long lists are."""
+    def key(a):
+        if isinstance(a, torch.Tensor):
+            return (a.dtype, a.device.type)
+        if isinstance(a, (list, tuple)):
+            return tuple(key(x) for x in a)
+        return a if a is None or isinstance(a, (bool, int)) else type(a)
+    return tuple(key(a) for a in args)
+
+
+def _clone(fn):
+    """``fn`` with a code object of its own: torch.compile keeps its cache (and its limit of
+    recompilations) per code object, so each signature gets a fresh one."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+
+
+def kernel(fn):
+    """``fn`` compiled at its first call with each signature (``fn.eager`` stays the
+    uncompiled function)."""
+    made = {}
+
+    @functools.wraps(fn)
+    def run(*args):
+        sig = _signature(args)
+        compiled = made.get(sig)
+        if compiled is None:
+            with _LOCK:
+                if sig not in made:
+                    made[sig] = torch.compile(_clone(fn), dynamic=True, fullgraph=True,
+                                              options=_OPTIONS)
+                compiled = made[sig]
+        if compiled is fn:
+            return fn(*args)
+        try:
+            return compiled(*args)
+        except _COMPILE_ERRORS as exc:  # the same function, uncompiled
+            _LOG.warning("horovod_ext: torch.compile of %s failed (%s: %s); it runs uncompiled",
+                         fn.__name__, type(exc).__name__, str(exc).splitlines()[0][:200])
+            made[sig] = fn
+            return fn(*args)
+
+    run.eager = fn
+    run.compiled = made      # signature -> compiled function (or fn, where compiling failed)
+    return run
