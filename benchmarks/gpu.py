@@ -30,6 +30,10 @@ target, at most 1.2x the CPU tensors'), and with HOROVOD_SHARED_MEMORY=0 ``allre
 (CPU tensors over Gloo, the staged path's transport) and ``allreduce_np2_gloo_staged`` (against
 it: what staging adds to its transport).
 
+Last, ``fused_against_unfused``: the fused kernels' results against the plain torch code's on
+odd sizes (bitwise for signs, values and errors; the scales' and LAMB parameters' largest
+relative differences).
+
 Without CUDA it says so and exits 0 (``--device cpu`` runs the table on the CPU).  Writes JSON
 (``--out``: a file, or a folder to hold gpu.json) naming the device, torch, CUDA and NCCL
 versions, the commit and the date.
@@ -154,6 +158,53 @@ def _parameters(count: int, device):
         p.grad = (torch.randn(shape, generator=g) * 1e-3).to(device)
         params.append(p)
     return params
+
+
+def fused_checks(device) -> dict:
+    """The fused kernels against the plain torch code on this device, on odd sizes and several
+    segments: whether signs, decompressed values and compensated errors are bitwise equal, the
+    largest relative difference of scales, and of parameters after three LAMB steps."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.algorithms.onebit.compression import (compensate_compress_, compress,
+                                                           decompress, default_workspace)
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        lengths = [1, 500, 3000, 598] + [300] * 50
+        x = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(1)).to(dtype)
+        x = x.to(device)
+
+        with unfused():
+            bits, scales = compress(x, lengths)
+        parts = [(bits, scales), (bits.flip(0), scales * 2)]
+
+        def codec():   # every step from the same inputs: the plain code's signs and scales
+            own_bits, own_scales = compress(x, lengths)
+            back = decompress(bits, scales, lengths, dtype)
+            error, sent = x.clone(), torch.empty_like(bits)
+            again = compensate_compress_(error, lengths, sent, default_workspace(), scales, x,
+                                         parts, 2)
+            return own_bits, own_scales, back, error, sent, again
+        fast = codec()
+        with unfused():
+            plain = codec()
+        rel = lambda a, b: ((a.double() - b.double()).abs() / b.double().abs()).max().item()  # noqa: E731
+        out[f"onebit_{str(dtype)[6:]}"] = {
+            "bits_equal": bool(torch.equal(fast[0], plain[0]) and torch.equal(fast[4], plain[4])),
+            "values_equal": bool(torch.equal(fast[2], plain[2]) and torch.equal(fast[3], plain[3])),
+            "scales_max_rel_diff": max(rel(fast[1], plain[1]), rel(fast[5], plain[5]))}
+
+    def lamb_params():
+        params = _parameters(200_000, device)
+        opt = hvd.Lamb(params, lr=0.01, weight_decay=0.01)
+        for _ in range(3):
+            opt.step()
+        return params
+    fast = lamb_params()
+    with unfused():
+        plain = lamb_params()
+    out["lamb_params_max_rel_diff"] = max(
+        ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(fast, plain))
+    return out
 
 
 def optimizer_rows(args, device, sync):
@@ -339,13 +390,15 @@ def main(argv=None):
     about = describe(device)
     rows = (bandwidth_rows(args, device, sync) + optimizer_rows(args, device, sync)
             + allreduce_rows(args, device, sync))
+    checks = fused_checks(device)
     hvd.shutdown()
     print_table(about, rows)
+    print("fused kernels against the plain torch code:", checks)
     out = args.out
     if os.path.isdir(out) or not out.endswith(".json"):
         out = os.path.join(out, "gpu.json")
     _spawn.write_report(out, {**about, "settings": {k: getattr(args, k) for k in (
-        "mib", "params", "allreduce_mib", "ratio", "reps")}, "rows": rows})
+        "mib", "params", "allreduce_mib", "ratio", "reps")}, "rows": rows, "fused_against_unfused": checks})
     return 0
 
 

@@ -406,6 +406,9 @@ def test_gpu_benchmark_runs_its_table_on_the_cpu(tmp_path):
                           "adam_foreach", "lamb", "lamb_unfused", "onebit_adam_warmup", "slamb",
                           "allreduce"]
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
+    checks = report["fused_against_unfused"]
+    assert checks["onebit_float32"]["bits_equal"] and checks["onebit_float16"]["values_equal"]
+    assert checks["lamb_params_max_rel_diff"] < 1e-5
     assert report["commit"] and report["date"]
     copy = rows["copy"]
     assert copy["min_ms"] <= copy["median_ms"] <= copy["max_ms"] and copy["gb_per_s"] > 0

@@ -173,14 +173,16 @@ class Lamb(torch.optim.Optimizer):
             return False
         beta1, beta2 = group["betas"]
         bc1, bc2 = bias_corrections(steps.pop(), beta1, beta2, group["bias_correction"])
-        hyper = torch.tensor([beta1, 1.0 - beta1, beta2, 1.0 - beta2, bc1, bc2, group["eps"],
-                              group["weight_decay"], group["lr"], group["min_coeff"],
-                              group["max_coeff"]], dtype=torch.float64)
         states = [self.state[p] for p in params]
+        # plain floats: torch.compile passes them to the kernels as arguments (no copy to the
+        # device, no recompilation when the bias corrections change)
         coeffs = fused_lamb_steps_(params, [p.grad for p in params],
                                    [s["exp_avg"] for s in states],
                                    [s["exp_avg_sq"] for s in states],
-                                   hyper.to(params[0].device, non_blocking=True),
+                                   (float(beta1), float(beta2), float(bc1), float(bc2),
+                                    float(group["eps"]), float(group["weight_decay"]),
+                                    float(group["lr"]), float(group["min_coeff"]),
+                                    float(group["max_coeff"])),
                                    bool(group["eps_inside_sqrt"]))
         for state, coeff in zip(states, coeffs):
             state["lamb_coeff"] = coeff
@@ -211,24 +213,23 @@ class Lamb(torch.optim.Optimizer):
 
 
 @compiled.kernel
-def fused_lamb_steps_(params, grads, exp_avgs, exp_avg_sqs, hyper: torch.Tensor,
+def fused_lamb_steps_(params, grads, exp_avgs, exp_avg_sqs, hyper: Tuple[float, ...],
                       eps_inside_sqrt: bool):
     """LAMB steps of tensors alike in device, as the per-tensor code above computes them;
-    ``hyper``: beta1, 1 - beta1, beta2, 1 - beta2, bc1, bc2, eps, weight_decay, lr, min_coeff,
-    max_coeff.  Returns each tensor's clipped coefficient."""
+    ``hyper``: beta1, beta2, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff.  Returns
+    each tensor's clipped coefficient."""
+    beta1, beta2, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff = hyper
     coeffs = []
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        h = hyper.to(torch.promote_types(p.dtype, torch.float32))
-        m.copy_(m * h[0] + g * h[1])
-        v.copy_(v * h[2] + g * g * h[3])
-        v_hat = v / h[5]
-        denom = (v_hat + h[6]).sqrt() if eps_inside_sqrt else v_hat.sqrt() + h[6]
-        u = (m / h[4]) / denom + p * h[7]
+        m.copy_(m * beta1 + g * (1.0 - beta1))
+        v.copy_(v * beta2 + g * g * (1.0 - beta2))
+        v_hat = v / bc2
+        denom = (v_hat + eps).sqrt() if eps_inside_sqrt else v_hat.sqrt() + eps
+        u = (m / bc1) / denom + p * weight_decay
         norm_dtype = torch.promote_types(p.dtype, torch.float32)
         coeff = trust_ratio(torch.linalg.vector_norm(p, dtype=norm_dtype),
-                            torch.linalg.vector_norm(u, dtype=norm_dtype), 0.0, math.inf)
-        coeff = torch.minimum(torch.maximum(coeff, h[9]), h[10])
-        p.sub_(u * (coeff * h[8]).to(p.dtype))
+                            torch.linalg.vector_norm(u, dtype=norm_dtype), min_coeff, max_coeff)
+        p.sub_(u * (coeff * lr).to(p.dtype))
         coeffs.append(coeff)
     return coeffs
 

@@ -42,9 +42,12 @@ def _per_element(scales: torch.Tensor, n: int, edges: Optional[torch.Tensor]) ->
 
 
 def _bits(signs: torch.Tensor, n: int) -> torch.Tensor:
-    """Bit ``i % 8`` of byte ``i // 8`` of ``signs`` for i < n, as bool."""
-    i = torch.arange(n, device=signs.device)
-    return ((signs[i >> 3].to(torch.int32) >> (i & 7).to(torch.int32)) & 1).bool()
+    """Bit ``i % 8`` of byte ``i // 8`` of ``signs`` for i < n, as bool: a broadcast over
+    [bytes, 8], which the kernels index directly (a gather at ``i // 8`` would be an indirect,
+    bounds-checked load)."""
+    shifts = torch.arange(8, device=signs.device, dtype=torch.int32)
+    bits = (signs[:(n + 7) // 8].to(torch.int32).unsqueeze(1) >> shifts) & 1
+    return bits.bool().reshape(-1)[:n]
 
 
 def _signed(bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
