@@ -195,3 +195,32 @@ def test_the_onebit_op_over_two_ranks_fused_as_unfused():
     assert fused_results[0] == fused_results[1]
     for got, want in zip(fused_results[0], plain[0]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("fused_everywhere")
+@pytest.mark.parametrize("scaling", ["simplified", "algorithm"])
+def test_the_fused_slamb_update_gives_the_torch_codes_values(scaling):
+    """SLAMB's lines 10-19 for one tensor, fused against ``torch_update_``: a tensor synchronised
+    in full (no index) and one with a tenth of its elements selected, three steps each."""
+    from horovod_ext.algorithms.slamb.update import fused_update_, torch_update_
+    group = dict(betas=(0.9, 0.999), beta3=0.9, eps=1e-6, weight_decay=0.01, lr=0.01,
+                 min_coeff=0.01, max_coeff=10.0, bias_correction=True, eps_inside_sqrt=False)
+    g = torch.Generator().manual_seed(5)
+    for selected in (None, torch.randperm(600, generator=g)[:60].sort().values):
+        p = torch.randn(20, 30, generator=g)
+        states = [{"exp_avg": torch.zeros(20, 30), "exp_avg_sq": torch.zeros(20, 30),
+                   "staleness": torch.ones(20, 30), "step": 0} for _ in range(2)]
+        params = [p.clone(), p.clone()]
+        for step in range(3):
+            grad = torch.randn(20, 30, generator=g)
+            for state, q in zip(states, params):
+                state["step"] += 1
+                state["exp_avg"].mul_(0.9).add_(grad, alpha=0.1)
+            assert fused_update_(params[0], grad, selected, states[0], group, 2, scaling)
+            torch_update_(params[1], grad, selected, states[1], group, 2, scaling)
+            what = f"{scaling}, {'full' if selected is None else 'selected'}, step {step + 1}"
+            torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-7, msg=what)
+            for key in ("exp_avg_sq", "staleness"):
+                torch.testing.assert_close(states[0][key], states[1][key], rtol=1e-6, atol=0,
+                                           msg=what)

@@ -278,6 +278,45 @@ def test_staged_collectives_equal_unstaged_at_3_and_2_ranks(backend):
     assert max(len(b) for b in results[0][1]["world"]) == 100 * 8 // 48 + 1  # float64: 17
 
 
+def body_staged_in_one_node(shared_memory):
+    """Large staged allreduces (Sum, Max) at ranks of one host: whether they reached the world
+    communicator, how many host buffers they took, and whether they equal the unstaged ones."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    world = runtime.state.comms.world
+    calls = []
+    plain = world._allreduce
+    world._allreduce = lambda t, op: (calls.append(t.numel()), plain(t, op))[1]
+    results = []
+    takes = staging.stager().buffers.takes
+    for k, (dtype, op) in enumerate([(torch.float32, hvd.Sum), (torch.float16, hvd.Max)]):
+        x = _sample(hvd.rank(), 300_001, dtype, 40 + k, True)
+        outs = []
+        for stage in (False, True):
+            staging.STAGE_HOST_TENSORS = stage
+            outs.append(hvd.allreduce(x, op=op, name=f"big{k}.{stage}"))
+        staging.STAGE_HOST_TENSORS = False
+        results.append(torch.equal(_bits(outs[0]), _bits(outs[1])))
+    return results, calls, staging.stager().buffers.takes - takes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_staged_allreduces_in_one_node_go_through_shared_memory(shared_memory):
+    """Ranks of one host: a staged allreduce (a GPU buffer without NCCL; here CPU tensors
+    staged alike) crosses through the shared-memory group, as a CPU buffer does, not over the
+    world communicator; with shared memory off it goes over the communicator, chunk by chunk."""
+    env = {"HOROVOD_SHARED_MEMORY": shared_memory}
+    for equal, calls, takes in run_ranks(body_staged_in_one_node, 2, "gloo", args=(shared_memory,),
+                                         env=env, timeout=100):
+        assert equal == [True, True]
+        assert takes == 2, f"{takes} host buffers taken for 2 staged allreduces"
+        if shared_memory == "1":
+            assert calls == [], f"the world communicator carried {calls}"
+        else:
+            assert len(calls) == 4 and all(n > 0 for n in calls), calls
+
+
 # --- on a GPU: the pinned, streamed path --------------------------------------------------------
 @pytest.mark.cuda
 @cuda_only

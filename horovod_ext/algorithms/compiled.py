@@ -47,7 +47,7 @@ def _signature(args) -> tuple:
             return (a.dtype, a.device.type)
         if isinstance(a, (list, tuple)):
             return tuple(key(x) for x in a)
-        return a if a is None or isinstance(a, (bool, int)) else type(a)
+        return a if a is None or isinstance(a, (bool, int, str)) else type(a)
     return tuple(key(a) for a in args)
 
 

@@ -118,6 +118,12 @@ class Communicator(ABC):
     def close(self) -> None:
         """Release transport resources; the communicator is unusable afterwards."""
 
+    def stages(self, tensor: torch.Tensor) -> bool:
+        """Whether this communicator carries ``tensor`` through host memory (a device tensor
+        that its transport cannot read); such an allreduce among the ranks of one host may as
+        well go through the shared-memory group."""
+        return False
+
     def transport(self, tensor: Optional[torch.Tensor] = None) -> str:
         """The name of what carries ``tensor`` here (MPI, GLOO, NCCL), for the timeline."""
         return type(self).__name__.replace("Communicator", "").upper()

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import shm, trace
+from . import shm, staging, trace
 from .base import Communicator, ReduceOp
 from .hierarchy import Span, Step, hierarchical_, run_step
 from .partition import pipeline_chunk_bytes
@@ -63,6 +63,16 @@ class Collectives:
             return None
         return t.in_node(buffer.view(-1))
 
+    def _staged_in_node(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
+        """The shared-memory group for a whole allreduce of ``buffer`` when every rank is on
+        this host and the world communicator would stage the buffer through host memory (a
+        GPU buffer without NCCL or a CUDA-aware MPI); else None.  The same answer on every
+        rank: it follows from the topology, the size and the kind of buffer."""
+        if (self.hierarchical or not self.world.stages(buffer)
+                or not self._single_node(buffer.numel() * buffer.element_size())):
+            return None
+        return self.topology.in_node(torch.empty(0, dtype=buffer.dtype))
+
     def reduces_on_world(self, buffer: torch.Tensor) -> bool:
         """Whether an elementwise allreduce of ``buffer`` is one plain call of the world
         communicator (not hierarchical, not through shared memory)."""
@@ -110,6 +120,13 @@ class Collectives:
             return _hierarchical_allreduce(buffer, self.topology, op, cross_step)
         if cross_step is not None:
             return buffer.copy_(cross_step(buffer, 0, self.topology))
+        in_node = self._staged_in_node(buffer)
+        if in_node is not None:
+            # staged through host memory anyway: the host chunks go through shared memory, as
+            # a CPU buffer would, instead of over the world communicator's transport
+            with trace.activity("SHM_STAGED_ALLREDUCE", trace.nbytes_of(buffer)):
+                staging.stager().allreduce(buffer, lambda chunk: in_node.allreduce(chunk, op))
+            return buffer
         if not self.reduces_on_world(buffer):
             with trace.activity("SHM_ALLREDUCE", trace.nbytes_of(buffer)):
                 self.topology.in_node(buffer.view(-1)).allreduce(buffer.view(-1), op)

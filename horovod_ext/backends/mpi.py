@@ -159,10 +159,12 @@ class MPICommunicator(Communicator):
             self._cuda_aware = cuda_aware()
         return handover(tensor.device.type, tensor.dtype, bool(self._cuda_aware), reduce)
 
-    def _staged(self, tensor: torch.Tensor) -> bool:
+    def stages(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type == "cpu":
             return staging.STAGE_HOST_TENSORS
         return self._handover(tensor, False).staged
+
+    _staged = stages
 
     def _host(self, tensor: torch.Tensor):
         """(tensor MPI can touch, original to copy back into or None)."""

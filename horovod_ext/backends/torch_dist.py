@@ -156,6 +156,9 @@ class TorchCommunicator(Communicator):
     def _nccl_for(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and self._cuda_group is not None
 
+    def stages(self, tensor: torch.Tensor) -> bool:
+        return staging.needed(tensor, self._nccl_for(tensor))
+
     def _group_for(self, tensor: torch.Tensor, collective: bool = True, fill: bool = True):
         """(group, tensor to pass, original to copy back into or None).  ``collective``: every
         rank of this communicator makes the same call now, so it may check the GPUs first (a

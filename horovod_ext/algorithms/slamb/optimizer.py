@@ -60,7 +60,7 @@ from horovod_ext.backends.topology import Topology
 from .arguments import check_slamb_args
 from .layout import backward_buckets, mask_pieces
 from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_
-from .update import native_update_, torch_update_
+from .update import fused_update_, native_update_, torch_update_
 
 
 def _remove_hooks(handles) -> None:
@@ -364,7 +364,9 @@ class SLAMB(torch.optim.Optimizer):
         for (p, group), g, i in zip(params, grads, layout["local_idx"]):
             state = self.state[p]
             state["step"] += 1
-            if not (self.native_kernels                                          # lines 10-19
+            if fused_update_(p, g, i, state, group, n, self.scaling):         # lines 10-19
+                continue
+            if not (self.native_kernels
                     and native_update_(p, g, i, state, group, n, self.scaling)):
                 torch_update_(p, g, i, state, group, n, self.scaling)
         self._step = t

@@ -1,7 +1,7 @@
 """SLAMB's per-tensor update, Algorithm 1 lines 10-19 (see ``slamb.optimizer``): the second
 moment, the staleness ``c``, the LAMB direction ``u`` and the step ``x -= eta~ phi~ u`` (with
-``/ ||u||`` for ``scaling="algorithm"``), in the C kernels' two passes where they can take the
-tensor, else in torch ops.  The per-element coefficient ``eta~ phi~`` is a quadratic in ``c``
+``/ ||u||`` for ``scaling="algorithm"``), as a fused kernel (``compiled``) on CUDA tensors, in
+the C kernels' two passes where they can take the tensor, else in torch ops.  The per-element coefficient ``eta~ phi~`` is a quadratic in ``c``
 whose three terms both paths take from ``coefficient_terms``.
 """
 import math
@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from horovod_ext.algorithms import compiled
 from horovod_ext.algorithms.lamb import KERNELS, bias_corrections, lamb_update, trust_ratio
 from horovod_ext.backends import native
 
@@ -102,3 +103,49 @@ def native_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor]
     update(p.data_ptr(), m.data_ptr(), v.data_ptr(), c.data_ptr(), p.numel(), int(full),
            bc1, bc2, eps, inside, wd, float(a), float(b), float(cc))
     return True
+
+
+def fused_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
+                  state: Dict[str, Any], group: Dict[str, Any], n: int, scaling: str) -> bool:
+    """Lines 10-19 for one tensor as a fused kernel (the torch code's values); False (nothing
+    done) where the fused kernels do not serve the tensor."""
+    m, v, c = state["exp_avg"], state["exp_avg_sq"], state["staleness"]
+    if not (compiled.used_for(p) and p.is_contiguous() and g.is_contiguous()):
+        return False
+    beta1, beta2 = group["betas"]
+    bc1, bc2 = bias_corrections(state["step"], beta1, beta2, group["bias_correction"])
+    # plain floats: passed to the kernel as arguments, no recompilation as they change
+    hyper = tuple(float(h) for h in (beta2, group["beta3"], bc1, bc2, group["eps"],
+                                     group["weight_decay"], group["lr"], group["min_coeff"],
+                                     group["max_coeff"]))
+    _fused_update(p, g, m, v, c, idx, hyper, bool(group["eps_inside_sqrt"]), n, scaling)
+    return True
+
+
+@compiled.kernel
+def _fused_update(p, g, m, v, c, idx, hyper, eps_inside_sqrt: bool, n: int, scaling: str):
+    beta2, beta3, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff = hyper
+    v.copy_(v * beta2 + g * g * (1.0 - beta2))
+    if idx is None:
+        c.fill_(1.0)
+    else:
+        c.copy_(c * beta3)
+        c.view(-1).index_fill_(0, idx, 1.0)
+    v_hat = v / bc2
+    denom = (v_hat + eps).sqrt() if eps_inside_sqrt else v_hat.sqrt() + eps
+    u = (m / bc1) / denom + p * weight_decay
+    dtype = torch.promote_types(p.dtype, torch.float32)
+    x_sq = torch.linalg.vector_norm(p, dtype=dtype).square()
+    u_sq = torch.linalg.vector_norm(u, dtype=dtype).square()
+    if idx is None:
+        xm_sq, um_sq, rest = x_sq, u_sq, 0
+    else:
+        xm_sq = torch.linalg.vector_norm(p.view(-1)[idx], dtype=dtype).square()
+        um_sq = torch.linalg.vector_norm(u.view(-1)[idx], dtype=dtype).square()
+        rest = p.numel() - idx.numel()
+    group = {"lr": lr, "min_coeff": min_coeff, "max_coeff": max_coeff}
+    a, b, cc = coefficient_terms(x_sq, u_sq, xm_sq, um_sq, rest, group, n, scaling)
+    if idx is None:
+        p.sub_(u * a.to(p.dtype))
+    else:
+        p.sub_(u * (((b.to(p.dtype) + c * cc.to(p.dtype)) * c) + a.to(p.dtype)))
