@@ -62,7 +62,7 @@ class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # bytes; 0 disables fusion
     fusion_max_tensor_bytes: int = 1024 * 1024  # larger requests are reduced on their own
     gradient_bucket_bytes: int = 25 * 1024 * 1024  # DistributedOptimizer buckets; 0: none
-    first_bucket_bytes: int = 0                  # the bucket of backward's first gradients; 0: as others
+    first_bucket_bytes: int = 1024 * 1024        # the bucket of backward's first gradients; 0: as others
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False

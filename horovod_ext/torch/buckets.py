@@ -14,10 +14,10 @@ pre-LN transformer layer registers its first norm after the linear layers that b
 before it). They hold up to HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's
 ``bucket_cap_mb``; capped by HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every
 gradient is its own request, as in Horovod). HOROVOD_FIRST_BUCKET_BYTES caps the first bucket,
-backward's first gradients, as DDP's 1 MiB first bucket does; it is off by default because a
-separate early reduction competes with backward for the CPU cores and measured no faster with
-the buckets in registration order (benchmarks/ddp_parity.py; in arrival order it took the
-transformer at 100 Mbit/s from 1.14x to 1.03x DDP's step time, not yet measured elsewhere). A ``.grad`` that is not the bucket's slice when it is ready (after
+backward's first gradients, at 1 MiB by default, as DDP's first bucket: its reduction starts
+while backward goes on (benchmarks/ddp_parity.py: with the buckets in arrival order it took the
+transformer at 100 Mbit/s from 1.15x to 1.03x DDP's step time); 0 gives it the others' cap.
+A ``.grad`` that is not the bucket's slice when it is ready (after
 ``zero_grad(set_to_none=True)``, the default, a user's assignment, ``create_graph`` backward) is
 copied in and the slice takes its place. The default zero_grad relies on that on purpose: one copy
 of autograd's fresh gradient costs less than zeroing the bucket and then accumulating into it.
