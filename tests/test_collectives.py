@@ -296,14 +296,24 @@ def body_pair_exchange_by_distance(far_exchange_s):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("far", [True, False], ids=["far", "near"])
 def test_a_far_pair_sums_every_size_by_exchange(far):
-    """A two-rank Gloo group times a one-value exchange at its first sum: a far pair (here: the
-    threshold set to 0 s) sums buffers up to 64 MiB by one exchange, a near one (threshold
-    infinite) only those up to 1 MiB, the 3 MiB one by Gloo's ring; both ranks time the same
-    probe and decide alike, and every sum is the exact a + b."""
-    results = run_ranks(body_pair_exchange_by_distance, 2, "gloo",
+    """A two-rank Gloo group on two hosts times a one-value exchange at its first sum: a far
+    pair (here: the threshold set to 0 s) sums buffers up to 64 MiB by one exchange, a near one
+    (threshold infinite) only those up to 1 MiB, the 3 MiB one by Gloo's ring; both ranks time
+    the same probe and decide alike, and every sum is the exact a + b."""
+    results = run_ranks(body_pair_exchange_by_distance, 2, "gloo", hostnames=["a", "b"],
                         args=(0.0 if far else float("inf"),))
     (probe0, max0, exchanged0, exact0), (probe1, max1, exchanged1, exact1) = results
     assert probe0 == probe1 and probe0 > 0
     assert max0 == max1 == (1 << 26 if far else 1 << 20)
     assert exchanged0 == exchanged1 == ([256, 3 << 18] if far else [256])
     assert exact0 == exact1 == [True, True]
+
+
+@pytest.mark.timeout(60)
+def test_a_pair_on_one_host_is_near_without_timing():
+    """Two ranks of one host never count as far, however slow a probe would be (the threshold
+    at 0 s would make any probe far): no probe, sums up to 1 MiB by exchange."""
+    for probe, max_bytes, exchanged, exact in run_ranks(body_pair_exchange_by_distance, 2,
+                                                        "gloo", args=(0.0,)):
+        assert probe is None and max_bytes == 1 << 20
+        assert exchanged == [256] and exact == [True, True]

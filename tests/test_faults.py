@@ -59,9 +59,12 @@ def test_op_failing_on_two_of_four_ranks_fails_every_rank_at_once(shared_memory)
     for r, (error, took, later, after) in enumerate(results):
         assert error is not None, f"rank {r} did not fail"
         assert took < FAIL_FAST_S, (r, took, error)
-        assert "'doomed' failed" in error and "injected failure on rank" in error, error
         if r < 2:
+            assert "'doomed' failed" in error and "injected failure on rank" in error, error
             assert "rank 2 failed" in error or "rank 3 failed" in error, error
+        else:   # its own failure, or, where a peer's stop reached it before its op ran, that
+            assert ("'doomed' failed" in error and f"injected failure on rank {r}" in error
+                    or "closed its connection" in error), error
         assert later is not None and "stopped" in later, later
         assert after == [4.0, 4.0], after
 

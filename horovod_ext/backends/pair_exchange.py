@@ -10,7 +10,7 @@ up to 5% faster, with 20 ms the exchange still was at 16 MiB (164 against 295 ms
 1430 against 1573 ms at 100 Mbit/s).  So a near pair exchanges buffers up to
 ``NEAR_MAX_BYTES`` and a far one (a one-value exchange of ``FAR_EXCHANGE_S`` or more: the lab's
 20 ms link gives about 21 ms, loopback and a LAN well under a millisecond) buffers up to
-``FAR_MAX_BYTES``: the exchange holds the peer's whole buffer beside this rank's, and a fusion
+``FAR_MAX_BYTES`` (two ranks of one host are near without timing): the exchange holds the peer's whole buffer beside this rank's, and a fusion
 buffer is at most 64 MiB unless the user raises HOROVOD_FUSION_THRESHOLD; beyond that, one round
 trip more is little against the transfer.
 """
@@ -32,6 +32,12 @@ class PairExchange:
         self._peer = 1 - comm.rank
         self.probe_s = None       # the one-value exchange time both ranks agreed on, once timed
         self.max_bytes = None     # the largest buffer summed by exchange, once decided
+
+    def on_one_host(self) -> None:
+        """Both ranks are on one host (the topology says so, alike on both): near, without
+        timing; a probe timed while other processes hold the cores can exceed a millisecond
+        even on loopback."""
+        self.max_bytes = NEAR_MAX_BYTES
 
     def takes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is summed by exchange; the first call decides for the pair (both ranks

@@ -32,6 +32,14 @@ def _layout(hostnames: Sequence[str]):
     return node_of, local_groups, cross_groups, position
 
 
+def _on_one_host(comm: Communicator) -> None:
+    """Tell a two-rank communicator whose ranks share a host (a Gloo pair that may sum by
+    exchange) so, so that it never takes them for a far pair."""
+    pair = getattr(comm, "pair", None)
+    if pair is not None:
+        pair.on_one_host()
+
+
 @dataclass
 class Topology:
     world: Communicator
@@ -83,6 +91,7 @@ class Topology:
         cross_members = cross_groups[position[me]]
         local = world if len(local_groups) == 1 else world.split(node_of[me])
         cross = world if len(cross_members) == world.size else world.split(position[me])
+        _on_one_host(local)
         return cls(world=world, local=local, cross=cross, hostnames=hostnames, node_of=node_of,
                    local_rank=position[me], local_size=len(local_ranks),
                    cross_rank=cross_members.index(me), cross_size=len(cross_members),
@@ -110,6 +119,7 @@ class Topology:
         me = ranks.index(parent.rank)
         world = made[tuple(ranks)]
         local_ranks = local_groups[node_of[me]]
+        _on_one_host(made.get(tuple(local_ranks), world) if len(local_groups) > 1 else world)
         cross_members = cross_groups[position[me]]
         return cls(world=world, local=made.get(tuple(local_ranks), world),
                    cross=made.get(tuple(cross_members), world), hostnames=hostnames,
