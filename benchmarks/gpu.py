@@ -18,7 +18,9 @@ HOROVOD_FUSED_KERNELS=off); ``randomk_select`` (the shared mask at ``--ratio``:
 ``randomk_scatter`` (``index_copy_`` back); ``adam_fused``, ``adam_foreach``, ``lamb``
 (``hvd.Lamb``: the fused kernels on a GPU), ``lamb_unfused`` (its plain torch code), ``onebit_adam_warmup`` (``hvd.OnebitAdam`` before its freeze step) and ``slamb``
 (``hvd.SLAMB``, ``overlap=False`` so that its sync is part of the step) on ``--params``
-parameters in 1024-wide matrices with gradients set; ``allreduce`` of --allreduce-mib MiB
+parameters in 1024-wide matrices with gradients set; ``adam_fused_queued``, ``lamb_queued`` and
+``lamb_queued_combo`` (Inductor's ``combo_kernels``): 10 steps queued before one synchronisation,
+per step, as a training loop queues them; ``allreduce`` of --allreduce-mib MiB
 (``hvd.allreduce_``, Sum) on a device tensor and on a CPU tensor: at np=1 nothing crosses a wire,
 so this is the engine's own cost per call; ``host_staging``: the same tensor through the staged
 allreduce of ``horovod_ext.backends.staging`` with no collective (pinned buffer, chunks, copies
@@ -232,6 +234,36 @@ def optimizer_rows(args, device, sync):
         base = base or ("adam_fused", r)
         rows.append(r)
         del opt, params
+    return rows + back_to_back_rows(args, device, sync)
+
+
+BACK_TO_BACK = 10   # steps queued without synchronising, as a training loop queues them
+
+
+def back_to_back_rows(args, device, sync):
+    """Fused Adam and hvd.Lamb with BACK_TO_BACK steps queued before one synchronisation, per
+    step: where launching overlaps the device's work, as in training; and hvd.Lamb so with
+    Inductor's combo kernels (several tensors' kernels in one launch), to measure that option."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.algorithms import compiled, lamb as lamb_module
+
+    def per_step(opt):
+        times = timed(lambda: [opt.step() for _ in range(BACK_TO_BACK)], args.reps, sync)
+        return [t / BACK_TO_BACK for t in times]
+    params = _parameters(args.params, device)
+    adam = row("adam_fused_queued", f"torch Adam, fused=True, {BACK_TO_BACK} steps queued",
+               per_step(torch.optim.Adam(params, fused=True)))
+    base = ("adam_fused_queued", adam)
+    rows = [adam, row("lamb_queued", f"hvd.Lamb, {BACK_TO_BACK} steps queued",
+                      per_step(hvd.Lamb(params)), None, base, ("<=", 1.5))]
+    kernel, options = lamb_module.fused_lamb_steps_, compiled._OPTIONS
+    compiled._OPTIONS = {**options, "combo_kernels": True}
+    lamb_module.fused_lamb_steps_ = compiled.kernel(kernel.eager)
+    try:
+        rows.append(row("lamb_queued_combo", f"hvd.Lamb, combo kernels, {BACK_TO_BACK} steps "
+                        f"queued", per_step(hvd.Lamb(params)), None, base, ("<=", 1.5)))
+    finally:
+        compiled._OPTIONS, lamb_module.fused_lamb_steps_ = options, kernel
     return rows
 
 

@@ -404,7 +404,7 @@ def test_gpu_benchmark_runs_its_table_on_the_cpu(tmp_path):
                           "onebit_compress_unfused", "onebit_decompress_unfused",
                           "randomk_select", "randomk_gather", "randomk_scatter", "adam_fused",
                           "adam_foreach", "lamb", "lamb_unfused", "onebit_adam_warmup", "slamb",
-                          "allreduce"]
+                          "adam_fused_queued", "lamb_queued", "lamb_queued_combo", "allreduce"]
     assert report["device"] == "cpu" and report["torch"] == torch.__version__
     checks = report["fused_against_unfused"]
     assert checks["onebit_float32"]["bits_equal"] and checks["onebit_float16"]["values_equal"]
