@@ -402,7 +402,8 @@ def test_gpu_benchmark_runs_its_table_on_the_cpu(tmp_path):
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == ["copy", "onebit_compress", "onebit_decompress",
                           "onebit_compress_unfused", "onebit_decompress_unfused",
-                          "randomk_select", "randomk_gather", "randomk_scatter", "adam_fused",
+                          "randomk_select", "randomk_gather", "randomk_scatter", "adasum_pair",
+                          "adasum_pair_unfused", "adam_fused",
                           "adam_foreach", "lamb", "lamb_unfused", "onebit_adam_warmup", "slamb",
                           "adam_fused_queued", "lamb_queued", "lamb_queued_combo", "allreduce"]
     assert report["device"] == "cpu" and report["torch"] == torch.__version__

@@ -9,7 +9,9 @@ Tolerances, and why:
 - scales rtol 1e-6 for float32, 1e-12 for float64: the fused kernels sum squares over aligned
   rows and take a segment as a difference of float64 prefix sums, the torch code sums each
   segment's rows; the last bits move;
-- LAMB rtol 1e-5: the norms sum in another order than the float64 reference.
+- LAMB rtol 1e-5: the norms sum in another order than the float64 reference;
+- Adasum: dots rtol 1e-12 (float64 sums in another order); the combine within one unit in the
+  last place (float16) or 1e-6 (float32): ``a * c + b * d`` may round once or twice.
 """
 import logging
 import math
@@ -224,3 +226,38 @@ def test_the_fused_slamb_update_gives_the_torch_codes_values(scaling):
             for key in ("exp_avg_sq", "staleness"):
                 torch.testing.assert_close(states[0][key], states[1][key], rtol=1e-6, atol=0,
                                            msg=what)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_the_fused_adasum_dots_and_combine_give_the_torch_codes_values(dtype, monkeypatch):
+    """Adasum's per-layer [a.b, a.a, b.b] and combine over a piece whose layers leave gaps and
+    include one-element and long layers, fused against the torch code (HOST_CODE off: the code
+    a GPU runs unfused) and against a plain float64 reference; gaps stay as they were."""
+    from horovod_ext.algorithms.adasum import fused as adasum_fused, operator
+    monkeypatch.setattr(operator, "HOST_CODE", False)
+    layers = operator.LayerMap([(0, 1), (1, 700), (705, 4000), (4705, 300), (5100, 7)])
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randn(5200, generator=g).to(dtype) for _ in range(2))
+    for lo, hi in ((0, 5200), (600, 4800)):
+        piece = layers.piece(lo, hi)
+        x, y = a[lo:hi].clone(), b[lo:hi].clone()
+        want = operator.partial_dots(x, y, piece)
+        got = adasum_fused.partial_dots(x, y, piece)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for s in piece.segments:   # the reference: float64 sums of the segment
+            u, v = x[s.start:s.end].double(), y[s.start:s.end].double()
+            torch.testing.assert_close(got[s.layer], torch.stack([u @ v, u @ u, v @ v]),
+                                       rtol=1e-12, atol=1e-12)
+        coeffs = operator.coefficients(want)
+        expect, out = x.clone(), x.clone()
+        operator.combine_(expect, y, False, coeffs, piece)
+        adasum_fused.combine_(out, y, coeffs.flip(1), piece)
+        # a * c + b * d may round once or twice (fused multiply-add or not): one unit in the
+        # last place of float16, a few of float32
+        tol = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float16 else dict(rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out, expect, **tol)
+        covered = torch.zeros(hi - lo, dtype=torch.bool)
+        for s in piece.segments:
+            covered[s.start:s.end] = True
+        assert not covered.all() and torch.equal(out[~covered], x[~covered])

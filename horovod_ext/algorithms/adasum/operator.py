@@ -13,7 +13,8 @@ touches (summed over ranks by the caller), ``combine_`` applies the coefficients
 
 Dot products and norms accumulate in float64 whatever the input dtype.  float32 and float64 on
 the CPU go through C kernels (``_kernels.c``, one call per piece, one pass over the data); the
-torch code below is used otherwise (float16, bfloat16, GPU tensors, or no compiler at install):
+torch code below is used otherwise (float16, bfloat16, GPU tensors, or no compiler at install;
+``fused.py`` holds fused kernels for GPU tensors, not used until measured on a GPU):
 it converts slices chunk by chunk into a small float64 scratch (cache-sized, reused) rather than
 as whole copies, which would cost a fresh allocation of twice the data.
 

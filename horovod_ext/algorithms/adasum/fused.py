@@ -1,0 +1,87 @@
+"""Adasum's per-layer dot products and combine as fused kernels (``compiled``: Triton on GPUs),
+for CUDA tensors.  Not yet called by ``operator``: on CPU tensors (the C++ backend) they are
+10-20x slower than the C kernels, and they have not been timed on a GPU (``benchmarks/gpu.py``'s
+``adasum_pair`` rows do that); ``operator`` switches to them once they beat its torch code there.
+
+``partial_dots``: [a.b, a.a, b.b] of each segment of a piece, in float64 as the torch code.  The
+products are summed over aligned rows of ``ROW`` elements (one reduction kernel); a segment's sum
+is the difference of the prefix sums at its end and start, each prefix being the whole rows
+before the point plus the part of its own row up to it (one gathered row per point).  For float32
+data the sums match the torch code's to about 1e-12 relative (the order of summation differs);
+tests state the tolerance.  ``combine_``: ``c_out * out + c_other * other`` on every segment,
+elements outside every segment (gaps between layers) unchanged, float16 and bfloat16 computed in
+float32 and rounded once, as the torch code does.
+"""
+from typing import Tuple
+
+import torch
+
+from .. import compiled
+
+ROW = 256
+
+
+def _segments_on(piece, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(starts, ends, layers) of the piece's segments on ``device``, kept on the piece (pieces
+    are kept by their LayerMap, and recur every step)."""
+    made = piece.__dict__.setdefault("_fused_segments", {})
+    found = made.get(device)
+    if found is None:
+        table = torch.from_numpy(piece.table)       # [start, length, layer]
+        starts = table[:, 0].contiguous()
+        found = made[device] = (starts.to(device), (starts + table[:, 1]).to(device),
+                                table[:, 2].contiguous().to(device))
+    return found
+
+
+def _prefix_at(values: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
+    """[k, len(points)]: the sum of ``values[:, :p]`` (``values`` [k, n]) at each point p."""
+    k, n = values.shape
+    rows = n // ROW
+    full = values[:, :rows * ROW].reshape(k, rows, ROW).sum(2)
+    prefix = torch.cat([full.new_zeros(k, 1), full.cumsum(1)], dim=1)
+    row = torch.div(points, ROW, rounding_mode="floor")
+    cols = torch.arange(ROW, device=values.device)
+    idx = ((row * ROW).unsqueeze(1) + cols).clamp(max=n - 1)
+    inside = cols < (points - row * ROW).unsqueeze(1)
+    part = torch.where(inside, values[:, idx], 0).sum(2)
+    return prefix[:, row] + part
+
+
+@compiled.kernel
+def _dots(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+          layers: torch.Tensor, layer_count: int) -> torch.Tensor:
+    x, y = a.to(torch.float64), b.to(torch.float64)
+    at = _prefix_at(torch.stack([x * y, x * x, y * y]), torch.cat([starts, ends]))
+    count = starts.shape[0]
+    sums = at[:, count:] - at[:, :count]
+    return sums.new_zeros(layer_count, 3).index_copy(0, layers, sums.t())
+
+
+@compiled.kernel
+def _combine(out: torch.Tensor, other: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+             layers: torch.Tensor, coeffs: torch.Tensor) -> None:
+    i = torch.arange(out.numel(), device=out.device)
+    seg = (torch.bucketize(i, starts, right=True) - 1).clamp(min=0)
+    inside = (i >= starts[seg]) & (i < ends[seg])
+    work = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
+    weights = coeffs.to(work)[layers[seg]]
+    mixed = out.to(work) * weights[:, 0] + other.to(work) * weights[:, 1]
+    out.copy_(torch.where(inside, mixed, out.to(work)).to(out.dtype))
+
+
+def partial_dots(a: torch.Tensor, b: torch.Tensor, piece) -> torch.Tensor:
+    """As ``operator.partial_dots``: (layer_count, 3) float64."""
+    if not piece.count or a.numel() == 0:
+        return torch.zeros(piece.layer_count, 3, dtype=torch.float64, device=a.device)
+    starts, ends, layers = _segments_on(piece, a.device)
+    return _dots(a, b, starts, ends, layers, piece.layer_count)
+
+
+def combine_(out: torch.Tensor, other: torch.Tensor, coeffs: torch.Tensor,
+             piece) -> torch.Tensor:
+    """``out = coeffs[:, 0] * out + coeffs[:, 1] * other`` per segment's layer, in place."""
+    if piece.count and out.numel():
+        starts, ends, layers = _segments_on(piece, out.device)
+        _combine(out, other, starts, ends, layers, coeffs.to(out.device))
+    return out
