@@ -3,12 +3,9 @@ for CUDA tensors.  Not yet called by ``operator``: on CPU tensors (the C++ backe
 10-20x slower than the C kernels, and they have not been timed on a GPU (``benchmarks/gpu.py``'s
 ``adasum_pair`` rows do that); ``operator`` switches to them once they beat its torch code there.
 
-``partial_dots``: [a.b, a.a, b.b] of each segment of a piece, in float64 as the torch code.  The
-products are summed over aligned rows of ``ROW`` elements (one reduction kernel); a segment's sum
-is the difference of the prefix sums at its end and start, each prefix being the whole rows
-before the point plus the part of its own row up to it (one gathered row per point).  For float32
-data the sums match the torch code's to about 1e-12 relative (the order of summation differs);
-tests state the tolerance.  ``combine_``: ``c_out * out + c_other * other`` on every segment,
+``partial_dots``: [a.b, a.a, b.b] of each segment of a piece, in float64 as the torch code, from
+``segment_sums.prefix_at`` (a segment is the difference of the sums at its end and start); they
+match the torch code's to about 1e-12 relative (another order of summation; tests state it).  ``combine_``: ``c_out * out + c_other * other`` on every segment,
 elements outside every segment (gaps between layers) unchanged, float16 and bfloat16 computed in
 float32 and rounded once, as the torch code does.
 """
@@ -17,9 +14,7 @@ from typing import Tuple
 import torch
 
 from .. import compiled
-
-ROW = 256
-
+from ..segment_sums import prefix_at
 
 def _segments_on(piece, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(starts, ends, layers) of the piece's segments on ``device``, kept on the piece (pieces
@@ -34,25 +29,11 @@ def _segments_on(piece, device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return found
 
 
-def _prefix_at(values: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """[k, len(points)]: the sum of ``values[:, :p]`` (``values`` [k, n]) at each point p."""
-    k, n = values.shape
-    rows = n // ROW
-    full = values[:, :rows * ROW].reshape(k, rows, ROW).sum(2)
-    prefix = torch.cat([full.new_zeros(k, 1), full.cumsum(1)], dim=1)
-    row = torch.div(points, ROW, rounding_mode="floor")
-    cols = torch.arange(ROW, device=values.device)
-    idx = ((row * ROW).unsqueeze(1) + cols).clamp(max=n - 1)
-    inside = cols < (points - row * ROW).unsqueeze(1)
-    part = torch.where(inside, values[:, idx], 0).sum(2)
-    return prefix[:, row] + part
-
-
 @compiled.kernel
 def _dots(a: torch.Tensor, b: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
           layers: torch.Tensor, layer_count: int) -> torch.Tensor:
     x, y = a.to(torch.float64), b.to(torch.float64)
-    at = _prefix_at(torch.stack([x * y, x * x, y * y]), torch.cat([starts, ends]))
+    at = prefix_at(torch.stack([x * y, x * x, y * y]), torch.cat([starts, ends]))
     count = starts.shape[0]
     sums = at[:, count:] - at[:, :count]
     return sums.new_zeros(layer_count, 3).index_copy(0, layers, sums.t())

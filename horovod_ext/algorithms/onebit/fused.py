@@ -2,20 +2,18 @@
 
 The same values as ``torch_code``, computed over the flat index ``i`` in a few passes instead of
 one kernel per step and segment: element ``i``'s segment is found by ``bucketize`` in the
-segment bounds, its bit is bit ``i % 8`` of byte ``i // 8``.  Scales come from the sums of squares
-of aligned rows of ``ROW`` elements; a row cut by a segment bound is split by taking the partial
-sum up to the bound (one gathered row per bound), and a segment's sum is the difference of two
-such prefix sums in float64 (for float32 data the scale matches the torch code's to a few units
-in the last place; tests state the tolerance).
+segment bounds, its bit is bit ``i % 8`` of byte ``i // 8``.  Scales come from sums of squares per
+segment (``segment_sums.prefix_at``: for float32 data the scale matches the torch code's to a few
+units in the last place; tests state the tolerance).
 """
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from .. import compiled
+from ..segment_sums import prefix_at
 from .blocks import packed_bytes, scale_dtype
 
-ROW = 256
 _BOUNDS: Dict[tuple, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
 
 
@@ -56,21 +54,10 @@ def _signed(bits: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 def _scales(x: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Per segment ``||x_seg|| / sqrt(len)`` rounded to ``dtype``, as the scale dtype."""
-    sdtype = scale_dtype(dtype)
-    n = x.numel()
-    rows = n // ROW
-    full = x[:rows * ROW].view(rows, ROW).to(sdtype).square().sum(1)
-    prefix = torch.cat([full.new_zeros(1, dtype=torch.float64),
-                        full.to(torch.float64).cumsum(0)])
-    row = torch.div(b, ROW, rounding_mode="floor")
-    cols = torch.arange(ROW, device=x.device)
-    idx = (row * ROW).unsqueeze(1) + cols
-    part = torch.where(cols < (b - row * ROW).unsqueeze(1),
-                       x[idx.clamp(max=n - 1)].to(sdtype), 0).square().sum(1)
-    at = prefix[row] + part.to(torch.float64)
+    at = prefix_at(x.to(scale_dtype(dtype)).square().unsqueeze(0), b)[0]
     sums = (at[1:] - at[:-1]).clamp(min=0)
     counts = (b[1:] - b[:-1]).to(torch.float64)
-    return (sums.sqrt() / counts.sqrt()).to(dtype).to(sdtype)
+    return (sums.sqrt() / counts.sqrt()).to(dtype).to(scale_dtype(dtype))
 
 
 def _pack(x: torch.Tensor) -> torch.Tensor:
