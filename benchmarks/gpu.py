@@ -15,17 +15,18 @@ Rows: ``copy`` (``dst.copy_(src)``, --mib MiB of float32); ``onebit_compress`` a
 tensor, one scale: the fused kernels on a GPU), and the same ``_unfused`` (the plain torch code,
 HOROVOD_FUSED_KERNELS=off); ``randomk_select`` (the shared mask at ``--ratio``:
 ``random_k_indices``), ``randomk_gather`` (``index_select`` of the selected values) and
-``randomk_scatter`` (``index_copy_`` back); ``adasum_pair`` and ``adasum_pair_unfused``
-(Adasum of two such tensors in 100 layers: dot products, then the combine); ``adam_fused``, ``adam_foreach``, ``lamb``
-(``hvd.Lamb``: the fused kernels on a GPU), ``lamb_unfused`` (its plain torch code), ``onebit_adam_warmup`` (``hvd.OnebitAdam`` before its freeze step) and ``slamb``
-(``hvd.SLAMB``, ``overlap=False`` so that its sync is part of the step) on ``--params``
-parameters in 1024-wide matrices with gradients set; ``adam_fused_queued``, ``lamb_queued`` and
-``lamb_queued_combo`` (Inductor's ``combo_kernels``): 10 steps queued before one synchronisation,
-per step, as a training loop queues them; ``allreduce`` of --allreduce-mib MiB
-(``hvd.allreduce_``, Sum) on a device tensor and on a CPU tensor: at np=1 nothing crosses a wire,
-so this is the engine's own cost per call; ``host_staging``: the same tensor through the staged
-allreduce of ``horovod_ext.backends.staging`` with no collective (pinned buffer, chunks, copies
-on two side streams): what staging alone costs.  Two ranks, started by this script over Gloo on
+``randomk_scatter`` (``index_copy_`` back); ``adasum_pair`` and ``adasum_pair_unfused`` (Adasum of
+two such tensors in 100 layers: dot products, then the combine); ``adam_fused``, ``adam_foreach``,
+``lamb`` (``hvd.Lamb``: the fused kernels on a GPU), ``lamb_unfused`` (its plain torch code),
+``onebit_adam_warmup`` (``hvd.OnebitAdam`` before its freeze step) and ``slamb`` (``hvd.SLAMB``,
+``overlap=False`` so that its sync is part of the step) on ``--params`` parameters in 1024-wide
+matrices with gradients set; ``adam_fused_queued``, ``lamb_queued`` and ``lamb_queued_combo``
+(Inductor's ``combo_kernels``): 10 steps queued before one synchronisation, per step, as a training
+loop queues them; ``allreduce`` of --allreduce-mib MiB (``hvd.allreduce_``, Sum) on a device tensor
+and on a CPU tensor: at np=1 nothing crosses a wire, so this is the engine's own cost per call;
+``host_staging``: the same tensor through the staged allreduce of ``horovod_ext.backends.staging``
+with no collective (pinned buffer, chunks, copies on two side streams): what staging alone costs.
+Two ranks, started by this script over Gloo on
 this machine (sharing GPU 0 where it has one), each ``hvd.allreduce_`` Sum of --allreduce-mib MiB:
 ``allreduce_np2_cpu`` (CPU tensors: in one node, through shared memory), ``allreduce_np2_staged``
 (CUDA tensors with HOROVOD_GPU_OPERATIONS=mpi: staged through host memory over Gloo; the issue's
@@ -210,7 +211,8 @@ def fused_checks(device) -> dict:
         fast = codec()
         with unfused():
             plain = codec()
-        rel = lambda a, b: ((a.double() - b.double()).abs() / b.double().abs()).max().item()  # noqa: E731
+        def rel(a, b):
+            return ((a.double() - b.double()).abs() / b.double().abs()).max().item()
         out[f"onebit_{str(dtype)[6:]}"] = {
             "bits_equal": bool(torch.equal(fast[0], plain[0]) and torch.equal(fast[4], plain[4])),
             "values_equal": bool(torch.equal(fast[2], plain[2]) and torch.equal(fast[3], plain[3])),
@@ -451,7 +453,8 @@ def main(argv=None):
     if os.path.isdir(out) or not out.endswith(".json"):
         out = os.path.join(out, "gpu.json")
     _spawn.write_report(out, {**about, "settings": {k: getattr(args, k) for k in (
-        "mib", "params", "allreduce_mib", "ratio", "reps")}, "rows": rows, "fused_against_unfused": checks})
+        "mib", "params", "allreduce_mib", "ratio", "reps")}, "rows": rows,
+        "fused_against_unfused": checks})
     return 0
 
 

@@ -62,7 +62,7 @@ class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # bytes; 0 disables fusion
     fusion_max_tensor_bytes: int = 1024 * 1024  # larger requests are reduced on their own
     gradient_bucket_bytes: int = 25 * 1024 * 1024  # DistributedOptimizer buckets; 0: none
-    first_bucket_bytes: int = 1024 * 1024        # the bucket of backward's first gradients; 0: as others
+    first_bucket_bytes: int = 1024 * 1024        # backward's first gradients' bucket; 0: as others
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -83,7 +83,9 @@ class Config:
     timeline: Optional[str] = None               # file; "DYNAMIC": hvd.start_timeline only
     timeline_mark_cycles: bool = False
     timeline_all_ranks: bool = False             # one file per rank, not rank 0's alone
-    fused_kernels: str = "cuda"                  # "cuda" | "all" | "off"
+    fused_kernels: str = "cuda"                  # "cuda" | "all" | "off"; read here so that a bad
+                                                 # value fails hvd.init (algorithms.compiled
+                                                 # reads the variable itself: no init needed)
     autotune: bool = False
     autotune_log: Optional[str] = None
     autotune_warmup_samples: int = 3

@@ -24,8 +24,8 @@ _LOCK = threading.Lock()
 # the fused kernels give the torch code's values, not more precise ones.
 _OPTIONS = {"emulate_precision_casts": True}
 # what a failed compilation raises (a missing compiler or Triton surfaces as one of these)
-_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit,
-                   ImportError, OSError)
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
+                   torch._dynamo.exc.FailOnRecompileLimitHit, ImportError, OSError)
 
 
 @functools.lru_cache(maxsize=4)

@@ -83,6 +83,12 @@ def adam_direction(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, b
     bc1, _ = bias_corrections(step, beta1, beta2, bias_correction)
     _, bc2 = bias_corrections(step if variance_step is None else variance_step, beta1, beta2,
                               bias_correction)
+    return corrected_direction(exp_avg, exp_avg_sq, bc1, bc2, eps, eps_inside_sqrt)
+
+
+def corrected_direction(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, bc1: float, bc2: float,
+                        eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
+    """``adam_direction`` from the bias corrections (1 - beta^t) themselves."""
     v_hat = exp_avg_sq / bc2
     denom = (v_hat + eps).sqrt_() if eps_inside_sqrt else v_hat.sqrt_().add_(eps)
     return (exp_avg / bc1).div_(denom)
@@ -135,7 +141,6 @@ class Lamb(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 if p.grad.is_sparse:
@@ -146,47 +151,30 @@ class Lamb(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-            if self._fused_steps(params, group):
+            states = [self.state[p] for p in params]
+            inside = bool(group["eps_inside_sqrt"])
+            if params and self._fused(params):
+                coeffs = fused_lamb_steps_(params, [p.grad for p in params],
+                                           [s["exp_avg"] for s in states],
+                                           [s["exp_avg_sq"] for s in states],
+                                           _hyper(group, states[0]["step"]), inside)
+                for state, coeff in zip(states, coeffs):
+                    state["lamb_coeff"] = coeff
                 continue
-            for p in params:
-                state = self.state[p]
+            for p, state in zip(params, states):
                 if self.native_kernels and self._native_step(p, state, group):
                     continue
-                update_moments_(state["exp_avg"], state["exp_avg_sq"], p.grad, beta1, beta2)
-                u = lamb_update(p, state["exp_avg"], state["exp_avg_sq"], state["step"], beta1,
-                                beta2, group["eps"], group["weight_decay"],
-                                group["bias_correction"], group["eps_inside_sqrt"])
-                coeff = lamb_coefficient(p, u, group["min_coeff"], group["max_coeff"])
-                state["lamb_coeff"] = coeff
-                p.sub_(u * (coeff.to(u.dtype) * group["lr"]))
+                state["lamb_coeff"] = lamb_step_(p, p.grad, state["exp_avg"],
+                                                 state["exp_avg_sq"],
+                                                 _hyper(group, state["step"]), inside)
         return loss
 
-    def _fused_steps(self, params, group: dict) -> bool:
-        """The group's steps as fused kernels (``compiled``) where they serve these tensors:
-        one pass for the moments, the update and both norms, one for the parameters; False
-        (nothing done) otherwise."""
-        if not params or not all(compiled.used_for(p) and p.device == params[0].device
-                                 and p.is_contiguous() for p in params):
-            return False
-        steps = {self.state[p]["step"] for p in params}
-        if len(steps) != 1:    # parameters added at different times: one step at a time
-            return False
-        beta1, beta2 = group["betas"]
-        bc1, bc2 = bias_corrections(steps.pop(), beta1, beta2, group["bias_correction"])
-        states = [self.state[p] for p in params]
-        # plain floats: torch.compile passes them to the kernels as arguments (no copy to the
-        # device, no recompilation when the bias corrections change)
-        coeffs = fused_lamb_steps_(params, [p.grad for p in params],
-                                   [s["exp_avg"] for s in states],
-                                   [s["exp_avg_sq"] for s in states],
-                                   (float(beta1), float(beta2), float(bc1), float(bc2),
-                                    float(group["eps"]), float(group["weight_decay"]),
-                                    float(group["lr"]), float(group["min_coeff"]),
-                                    float(group["max_coeff"])),
-                                   bool(group["eps_inside_sqrt"]))
-        for state, coeff in zip(states, coeffs):
-            state["lamb_coeff"] = coeff
-        return True
+    def _fused(self, params) -> bool:
+        """Whether the group's steps run as fused kernels (``compiled``): they serve these
+        tensors, all on one device, all at the same step."""
+        return (all(compiled.used_for(p) and p.device == params[0].device and p.is_contiguous()
+                    for p in params)
+                and len({self.state[p]["step"] for p in params}) == 1)
 
     @staticmethod
     def _native_step(p: torch.Tensor, state: dict, group: dict) -> bool:
@@ -212,26 +200,37 @@ class Lamb(torch.optim.Optimizer):
         return True
 
 
+def _hyper(group: dict, step: int) -> Tuple[float, ...]:
+    """``lamb_step_``'s hyper-parameters at ``step``, as plain floats: torch.compile passes
+    them to the fused kernels as arguments (no copy to the device, no recompilation as the
+    bias corrections change)."""
+    beta1, beta2 = group["betas"]
+    bc1, bc2 = bias_corrections(step, beta1, beta2, group["bias_correction"])
+    return tuple(float(h) for h in (beta1, beta2, bc1, bc2, group["eps"], group["weight_decay"],
+                                    group["lr"], group["min_coeff"], group["max_coeff"]))
+
+
+def lamb_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, hyper: Tuple[float, ...],
+               eps_inside_sqrt: bool) -> torch.Tensor:
+    """One tensor's LAMB step in place; ``hyper``: beta1, beta2, bc1, bc2, eps, weight_decay,
+    lr, min_coeff, max_coeff.  Returns the clipped coefficient."""
+    beta1, beta2, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff = hyper
+    update_moments_(exp_avg, exp_avg_sq, grad, beta1, beta2)
+    u = corrected_direction(exp_avg, exp_avg_sq, bc1, bc2, eps, eps_inside_sqrt)
+    if weight_decay != 0.0:
+        u.add_(p, alpha=weight_decay)
+    coeff = lamb_coefficient(p, u, min_coeff, max_coeff)
+    p.sub_(u * (coeff.to(u.dtype) * lr))
+    return coeff
+
+
 @compiled.kernel
 def fused_lamb_steps_(params, grads, exp_avgs, exp_avg_sqs, hyper: Tuple[float, ...],
                       eps_inside_sqrt: bool):
-    """LAMB steps of tensors alike in device, as the per-tensor code above computes them;
-    ``hyper``: beta1, beta2, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff.  Returns
-    each tensor's clipped coefficient."""
-    beta1, beta2, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff = hyper
-    coeffs = []
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        m.copy_(m * beta1 + g * (1.0 - beta1))
-        v.copy_(v * beta2 + g * g * (1.0 - beta2))
-        v_hat = v / bc2
-        denom = (v_hat + eps).sqrt() if eps_inside_sqrt else v_hat.sqrt() + eps
-        u = (m / bc1) / denom + p * weight_decay
-        norm_dtype = torch.promote_types(p.dtype, torch.float32)
-        coeff = trust_ratio(torch.linalg.vector_norm(p, dtype=norm_dtype),
-                            torch.linalg.vector_norm(u, dtype=norm_dtype), min_coeff, max_coeff)
-        p.sub_(u * (coeff * lr).to(p.dtype))
-        coeffs.append(coeff)
-    return coeffs
+    """``lamb_step_`` of tensors alike in device, compiled together."""
+    return [lamb_step_(p, g, m, v, hyper, eps_inside_sqrt)
+            for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs)]
 
 
 def check_lamb_args(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float,

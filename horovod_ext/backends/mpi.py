@@ -164,11 +164,9 @@ class MPICommunicator(Communicator):
             return staging.STAGE_HOST_TENSORS
         return self._handover(tensor, False).staged
 
-    _staged = stages
-
     def _host(self, tensor: torch.Tensor):
         """(tensor MPI can touch, original to copy back into or None)."""
-        if self._staged(tensor):
+        if self.stages(tensor):
             return staging.stager().to_host(tensor), tensor
         return tensor, None
 
@@ -191,7 +189,7 @@ class MPICommunicator(Communicator):
 
     # --- collectives --------------------------------------------------------------------------
     def _allreduce(self, tensor, op):
-        if self._staged(tensor):
+        if self.stages(tensor):
             # chunk by chunk, each chunk's copies overlapping its neighbours' reductions
             staging.stager().allreduce(tensor, lambda chunk: self._allreduce_here(chunk, op))
         else:

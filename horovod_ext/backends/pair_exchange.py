@@ -1,18 +1,18 @@
 """A two-rank Gloo sum as one exchange of whole tensors, and when to use it instead of the ring.
 
-Gloo's ring takes two steps for two ranks (a reduce-scatter, then an allgather), and each waits
-for the peer's go-ahead: two round trips a call.  Sending the whole tensor and adding the peer's
-costs the same bytes on the wire in one round trip, but gives up the ring's overlap of its sums
-with its transfers.  Measured between two lab hosts (benchmarks/pair_exchange.py,
+Gloo's ring takes two steps for two ranks (a reduce-scatter, then an allgather), and each waits for
+the peer's go-ahead: two round trips a call. Sending the whole tensor and adding the peer's costs
+the same bytes on the wire in one round trip, but gives up the ring's overlap of its sums with its
+transfers. Measured between two lab hosts (benchmarks/pair_exchange.py,
 docs/benchmarks/pair_exchange.json), exchange / ring from 1 KiB to 1 MiB: 0.43-1.04 without added
-latency, 0.50-0.87 with 20 ms more round trip; from 4 MiB up without added latency the ring was
-up to 5% faster, with 20 ms the exchange still was at 16 MiB (164 against 295 ms at 1 Gbit/s,
-1430 against 1573 ms at 100 Mbit/s).  So a near pair exchanges buffers up to
-``NEAR_MAX_BYTES`` and a far one (a one-value exchange of ``FAR_EXCHANGE_S`` or more: the lab's
-20 ms link gives about 21 ms, loopback and a LAN well under a millisecond) buffers up to
-``FAR_MAX_BYTES`` (two ranks of one host are near without timing): the exchange holds the peer's whole buffer beside this rank's, and a fusion
-buffer is at most 64 MiB unless the user raises HOROVOD_FUSION_THRESHOLD; beyond that, one round
-trip more is little against the transfer.
+latency, 0.50-0.87 with 20 ms more round trip; from 4 MiB up without added latency the ring was up
+to 5% faster, with 20 ms the exchange still was at 16 MiB (164 against 295 ms at 1 Gbit/s, 1430
+against 1573 ms at 100 Mbit/s). So a near pair exchanges buffers up to ``NEAR_MAX_BYTES`` and a far
+one (a one-value exchange of ``FAR_EXCHANGE_S`` or more: the lab's 20 ms link gives about 21 ms,
+loopback and a LAN well under a millisecond) buffers up to ``FAR_MAX_BYTES`` (two ranks of one host
+are near without timing): the exchange holds the peer's whole buffer beside this rank's, and a
+fusion buffer is at most 64 MiB unless the user raises HOROVOD_FUSION_THRESHOLD; beyond that, one
+round trip more is little against the transfer.
 """
 import time
 

@@ -5,9 +5,10 @@ for CUDA tensors.  Not yet called by ``operator``: on CPU tensors (the C++ backe
 
 ``partial_dots``: [a.b, a.a, b.b] of each segment of a piece, in float64 as the torch code, from
 ``segment_sums.prefix_at`` (a segment is the difference of the sums at its end and start); they
-match the torch code's to about 1e-12 relative (another order of summation; tests state it).  ``combine_``: ``c_out * out + c_other * other`` on every segment,
-elements outside every segment (gaps between layers) unchanged, float16 and bfloat16 computed in
-float32 and rounded once, as the torch code does.
+match the torch code's to about 1e-12 relative (another order of summation; tests state it).
+``combine_``: ``c_out * out + c_other * other`` on every segment, elements outside every segment
+(gaps between layers) unchanged, float16 and bfloat16 computed in float32 and rounded once, as the
+torch code does.
 """
 from typing import Tuple
 

@@ -1,8 +1,9 @@
 """SLAMB's per-tensor update, Algorithm 1 lines 10-19 (see ``slamb.optimizer``): the second
 moment, the staleness ``c``, the LAMB direction ``u`` and the step ``x -= eta~ phi~ u`` (with
-``/ ||u||`` for ``scaling="algorithm"``), as a fused kernel (``compiled``) on CUDA tensors, in
-the C kernels' two passes where they can take the tensor, else in torch ops.  The per-element coefficient ``eta~ phi~`` is a quadratic in ``c``
-whose three terms both paths take from ``coefficient_terms``.
+``/ ||u||`` for ``scaling="algorithm"``): in torch ops (``update_``), compiled as a fused kernel
+on CUDA tensors, or in the C kernels' two passes where they can take the tensor.  The
+per-element coefficient ``eta~ phi~`` is a quadratic in ``c`` whose three terms both paths take
+from ``coefficient_terms``.
 """
 import math
 from typing import Any, Dict, Optional, Tuple
@@ -10,7 +11,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from horovod_ext.algorithms import compiled
-from horovod_ext.algorithms.lamb import KERNELS, bias_corrections, lamb_update, trust_ratio
+from horovod_ext.algorithms.lamb import (KERNELS, bias_corrections, corrected_direction,
+                                         trust_ratio)
 from horovod_ext.backends import native
 
 
@@ -68,17 +70,38 @@ def coefficients(p: torch.Tensor, u: torch.Tensor, c: torch.Tensor, idx: Optiona
 def torch_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
                   state: Dict[str, Any], group: Dict[str, Any], n: int, scaling: str) -> None:
     """Lines 10-19 for one tensor in torch ops; ``state["step"]`` already counts this step."""
+    update_(p, g, state["exp_avg"], state["exp_avg_sq"], state["staleness"], idx,
+            _hyper(state, group), bool(group["eps_inside_sqrt"]), n, scaling)
+
+
+def _hyper(state: Dict[str, Any], group: Dict[str, Any]) -> Tuple[float, ...]:
+    """``update_``'s hyper-parameters for this step, as plain floats: torch.compile passes them
+    to the fused kernel as arguments (no recompilation as the bias corrections change)."""
     beta1, beta2 = group["betas"]
-    state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)   # line 10
-    c = state["staleness"]                                               # line 13
-    if idx is None:
+    bc1, bc2 = bias_corrections(state["step"], beta1, beta2, group["bias_correction"])
+    return tuple(float(h) for h in (beta2, group["beta3"], bc1, bc2, group["eps"],
+                                    group["weight_decay"], group["lr"], group["min_coeff"],
+                                    group["max_coeff"]))
+
+
+def update_(p, g, m, v, c, idx: Optional[torch.Tensor], hyper: Tuple[float, ...],
+            eps_inside_sqrt: bool, n: int, scaling: str) -> None:
+    """Lines 10-19 on the tensors themselves; ``hyper``: beta2, beta3, bc1, bc2, eps,
+    weight_decay, lr, min_coeff, max_coeff."""
+    beta2, beta3, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff = hyper
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)                      # line 10
+    if idx is None:                                                      # line 13
         c.fill_(1.0)
     else:
-        c.mul_(group["beta3"]).view(-1).index_fill_(0, idx, 1.0)
-    u = lamb_update(p, state["exp_avg"], state["exp_avg_sq"], state["step"],     # 11-12
-                    beta1, beta2, group["eps"], group["weight_decay"],
-                    group["bias_correction"], group["eps_inside_sqrt"])
-    p.addcmul_(u, coefficients(p, u, c, idx, group, n, scaling), value=-1.0)     # 14-19
+        c.mul_(beta3).view(-1).index_fill_(0, idx, 1.0)
+    u = corrected_direction(m, v, bc1, bc2, eps, eps_inside_sqrt)        # lines 11-12
+    if weight_decay != 0.0:
+        u.add_(p, alpha=weight_decay)
+    bounds = {"lr": lr, "min_coeff": min_coeff, "max_coeff": max_coeff}
+    p.addcmul_(u, coefficients(p, u, c, idx, bounds, n, scaling), value=-1.0)   # 14-19
+
+
+_fused_update = compiled.kernel(update_)
 
 
 def native_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
@@ -107,45 +130,10 @@ def native_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor]
 
 def fused_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
                   state: Dict[str, Any], group: Dict[str, Any], n: int, scaling: str) -> bool:
-    """Lines 10-19 for one tensor as a fused kernel (the torch code's values); False (nothing
-    done) where the fused kernels do not serve the tensor."""
-    m, v, c = state["exp_avg"], state["exp_avg_sq"], state["staleness"]
+    """``torch_update_`` compiled as a fused kernel; False (nothing done) where the fused kernels
+    do not serve the tensor."""
     if not (compiled.used_for(p) and p.is_contiguous() and g.is_contiguous()):
         return False
-    beta1, beta2 = group["betas"]
-    bc1, bc2 = bias_corrections(state["step"], beta1, beta2, group["bias_correction"])
-    # plain floats: passed to the kernel as arguments, no recompilation as they change
-    hyper = tuple(float(h) for h in (beta2, group["beta3"], bc1, bc2, group["eps"],
-                                     group["weight_decay"], group["lr"], group["min_coeff"],
-                                     group["max_coeff"]))
-    _fused_update(p, g, m, v, c, idx, hyper, bool(group["eps_inside_sqrt"]), n, scaling)
+    _fused_update(p, g, state["exp_avg"], state["exp_avg_sq"], state["staleness"], idx,
+                  _hyper(state, group), bool(group["eps_inside_sqrt"]), n, scaling)
     return True
-
-
-@compiled.kernel
-def _fused_update(p, g, m, v, c, idx, hyper, eps_inside_sqrt: bool, n: int, scaling: str):
-    beta2, beta3, bc1, bc2, eps, weight_decay, lr, min_coeff, max_coeff = hyper
-    v.copy_(v * beta2 + g * g * (1.0 - beta2))
-    if idx is None:
-        c.fill_(1.0)
-    else:
-        c.copy_(c * beta3)
-        c.view(-1).index_fill_(0, idx, 1.0)
-    v_hat = v / bc2
-    denom = (v_hat + eps).sqrt() if eps_inside_sqrt else v_hat.sqrt() + eps
-    u = (m / bc1) / denom + p * weight_decay
-    dtype = torch.promote_types(p.dtype, torch.float32)
-    x_sq = torch.linalg.vector_norm(p, dtype=dtype).square()
-    u_sq = torch.linalg.vector_norm(u, dtype=dtype).square()
-    if idx is None:
-        xm_sq, um_sq, rest = x_sq, u_sq, 0
-    else:
-        xm_sq = torch.linalg.vector_norm(p.view(-1)[idx], dtype=dtype).square()
-        um_sq = torch.linalg.vector_norm(u.view(-1)[idx], dtype=dtype).square()
-        rest = p.numel() - idx.numel()
-    group = {"lr": lr, "min_coeff": min_coeff, "max_coeff": max_coeff}
-    a, b, cc = coefficient_terms(x_sq, u_sq, xm_sq, um_sq, rest, group, n, scaling)
-    if idx is None:
-        p.sub_(u * a.to(p.dtype))
-    else:
-        p.sub_(u * (((b.to(p.dtype) + c * cc.to(p.dtype)) * c) + a.to(p.dtype)))
