@@ -204,6 +204,32 @@ void hx_adasum_coefficients(const double *dots, int64_t layers, int64_t out_is_b
         }                                                                              \
     }
 
+/* The same, with every result also written to copy (at the same offsets): the last level of
+ * the in-node tree needs each shard both in the rank's own vector and in the shared slot the
+ * others read, and writing both in the pass saves reading the shard again to copy it.  copy
+ * may be other itself (never a partial overlap): each element is read before it is written,
+ * so ivdep lets the loop vectorise without the overlap check that would run it scalar. */
+#define COMBINE_COPY(NAME, T)                                                          \
+    KERNEL void NAME(T *out, const T *other, T *copy, const int64_t *segs, int64_t nseg, \
+                     const double *weights)                                            \
+    {                                                                                  \
+        for (int64_t s = 0; s < nseg; s++) {                                           \
+            T *x = out + segs[3 * s], *c = copy + segs[3 * s];                         \
+            const T *y = other + segs[3 * s];                                          \
+            const int64_t n = segs[3 * s + 1];                                         \
+            const T wx = (T)weights[2 * segs[3 * s + 2]];                              \
+            const T wy = (T)weights[2 * segs[3 * s + 2] + 1];                          \
+            _Pragma("GCC ivdep")                                                       \
+            for (int64_t i = 0; i < n; i++) {                                          \
+                const T v = wx * x[i] + wy * y[i];                                     \
+                x[i] = v;                                                              \
+                c[i] = v;                                                              \
+            }                                                                          \
+        }                                                                              \
+    }
+
 DOTS(hx_adasum_dots_f64, double, load4_f64)
 COMBINE(hx_adasum_combine_f32, float)
 COMBINE(hx_adasum_combine_f64, double)
+COMBINE_COPY(hx_adasum_combine_copy_f32, float)
+COMBINE_COPY(hx_adasum_combine_copy_f64, double)

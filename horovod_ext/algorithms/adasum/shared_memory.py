@@ -8,7 +8,8 @@ shard's share of the per-layer [a.b, a.a, b.b]; the shares are summed through th
 small table per rank and level); and each rank combines its own shard of every pair into the
 a side's slot.  A rank's own shard of its own vector is read by nobody else, so it is not
 copied into the slot: it is read and combined where it is.  Only the tables cross between ranks
-until the end, when every rank copies the result from the first slot.  So a level costs one
+until the last level, whose pass writes each rank's shard of the result both into slot 0 and
+into the rank's own vector; every rank then copies the others' shards from slot 0.  So a level costs one
 pass over the shards and one wait, where RVH over sockets costs an exchange of half the vector
 and a dot-product allreduce: on one host with Gloo, the exchanges' copies through the kernel
 and their per-message latency dominated.
@@ -61,27 +62,28 @@ def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
     shards = [slot[lo:hi] for slot in slots]
     shards[me] = x[lo:hi]
     shard_bytes = (hi - lo) * x.element_size()
+    # The last level (one pair, whose a side is rank 0) writes each shard's result both into
+    # slot 0, where the others read it, and into this rank's x, in one pass.
+    separate = x.data_ptr() != slots[0].data_ptr()
+    result_copy = (slots[0] if me == 0 else x)[lo:hi] if separate else None
     for i, pairs in enumerate(levels):
         with trace.activity(f"ADASUM_LEVEL_{i}", 2 * len(pairs) * shard_bytes):
-            _level(pairs, shards, piece, layers.count, group, hi > lo)
+            _level(pairs, shards, piece, layers.count, group, hi > lo,
+                   result_copy if i == len(levels) - 1 else None)
     with trace.activity("ADASUM_RESULT", trace.nbytes_of(x)):
-        # The result is slot 0, except rank 0's own shard, which was combined in its x.
-        separate = x.data_ptr() != slots[0].data_ptr()
-        if separate and me == 0:
-            slots[0][lo:hi].copy_(x[lo:hi])
         group.arrive("adasum result")
         if separate:
-            a, b = (lo, hi) if me == 0 else (0, 0)   # rank 0's own shard is already in x
-            x[:a].copy_(slots[0][:a])
-            x[b:].copy_(slots[0][b:])
+            x[:lo].copy_(slots[0][:lo])
+            x[hi:].copy_(slots[0][hi:])
         group.arrive("adasum result read")   # nobody refills its slot before all read slot 0
     return x
 
 
 def _level(pairs: List[Pair], shards, piece, layer_count: int, group: SharedMemoryGroup,
-           owns_elements: bool):
+           owns_elements: bool, copy=None):
     """One level of the tree on this rank's shard: its share of every pair's products, their
-    sum over the ranks, and the a sides combined in place."""
+    sum over the ranks, and the a sides combined in place (also into ``copy``, if given, on
+    the last level, whose one pair's a side is slot 0)."""
     table = torch.zeros(len(pairs), layer_count, 3, dtype=torch.float64)
     with trace.activity("ADASUM_DOT_PRODUCTS"):
         if owns_elements:
@@ -92,4 +94,5 @@ def _level(pairs: List[Pair], shards, piece, layer_count: int, group: SharedMemo
     with trace.activity("ADASUM_COMBINE"):
         if owns_elements:
             for k, (a, b, divisors) in enumerate(pairs):
-                combine_(shards[a], shards[b], True, coefficients(dots[k], divisors), piece)
+                combine_(shards[a], shards[b], True, coefficients(dots[k], divisors), piece,
+                         copy)
