@@ -67,7 +67,8 @@ out = {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
        "cross_size": hvd.cross_size(), "mpi": hvd.mpi_enabled(),
        "sum": hvd.allreduce(x, op=hvd.Sum, name="s").tolist(),
        "avg": hvd.allreduce(x, name="a").tolist(),
-       "gathered": hvd.allgather(torch.tensor([hvd.rank()]), name="g").tolist()}
+       "gathered": hvd.allgather(torch.tensor([hvd.rank()]), name="g").tolist(),
+       "threads": torch.get_num_threads()}
 print("RESULT " + json.dumps(out), flush=True)
 hvd.shutdown()
 '''
@@ -94,8 +95,9 @@ def tools(tmp_path_factory):
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("HOROVOD_", "OMPI_", "PMI", "PMIX"))}
-    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", **extra)
-    return env
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env.update(extra)
+    return {k: v for k, v in env.items() if v is not None}   # None: unset it
 
 
 def hvdrun(args, timeout=60, **extra):
@@ -421,9 +423,25 @@ def _check_results(results, np, hostnames, mpi):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["gloo", "mpi"])
 def test_allreduce_through_hvdrun(mode, tools):
-    rc, out, err = hvdrun(["-np", "2", f"--{mode}", sys.executable, tools["hvd"]], timeout=100)
+    """Also: two ranks on this host without OMP_NUM_THREADS share its cores (torch would give
+    each all of them); with OMP_NUM_THREADS set (under MPI here), the ranks keep that."""
+    chosen = None if mode == "gloo" else "2"
+    rc, out, err = hvdrun(["-np", "2", f"--{mode}", sys.executable, tools["hvd"]], timeout=100,
+                          OMP_NUM_THREADS=chosen)
     assert rc == 0, err
-    _check_results(_lines(out, "RESULT "), 2, ["h"] * 2, mode == "mpi")
+    results = _lines(out, "RESULT ")
+    _check_results(results, 2, ["h"] * 2, mode == "mpi")
+    cores = len(os.sched_getaffinity(0))
+    expected = 2 if chosen else max(1, cores // 2)
+    assert [r["threads"] for r in results] == [expected] * 2, (cores, results)
+
+
+def test_share_of_cores():
+    from horovod_ext.engine.cpu_threads import share_of_cores
+    assert share_of_cores(2, 16, 16) == 8
+    assert share_of_cores(3, 16, 16) == 5
+    assert share_of_cores(4, 2, 2) == 1    # more ranks than cores: one thread each
+    assert share_of_cores(4, 3, 16) == 3   # bound by the launcher to 3 cores: all of them
 
 
 @pytest.mark.timeout(120)

@@ -21,7 +21,7 @@ from horovod_ext.backends.topology import Topology
 from horovod_ext.config import Config, ConfigError
 from horovod_ext.ops import reset_all as reset_all_ops
 
-from . import autotune, timeline
+from . import autotune, cpu_threads, timeline
 from .engine import Engine
 from .faults import FaultRouter
 from .requests import HorovodInternalError, Request
@@ -133,6 +133,7 @@ def init(comm=None):
         world = bootstrap.create_world(transport, config.timeout_s, use_nccl, mpi_comm=comm)
         _setup_logging(config, world.rank)
         topology = Topology.build(world, bootstrap.hostname())
+        cpu_threads.limit_to_share(topology.local_size)
         state.config = config
         state.sets, state.next_set_id = {0: _SetRuntime(list(range(world.size)), topology)}, 1
         try:
