@@ -332,42 +332,6 @@ def test_c_kernels_match_torch_code():
         assert torch.equal(native[3:5003], a[3:5003])
 
 
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("host_code", [True, False])
-def test_combine_also_writes_its_copy(monkeypatch, host_code):
-    """combine_ with ``copy`` (the in-node tree's last level) writes the very bits of a plain
-    combine_ into both ``out`` and ``copy`` on the piece's segments, and nothing else of
-    ``copy``; ``copy`` may be ``other`` itself.  C kernels (float32/float64) and torch code."""
-    from horovod_ext.algorithms.adasum import operator
-    from horovod_ext.algorithms.adasum.operator import LayerMap, coefficients, combine_
-    monkeypatch.setattr(operator, "HOST_CODE", host_code)
-    sizes = [3, 5000, 1, 70000, 2, 300, 20]
-    bounds, off = [], 0
-    for n in sizes:
-        bounds.append((off, n))
-        off += n
-    bounds.pop(2)   # a gap between layers: its elements belong to no segment
-    g = torch.Generator().manual_seed(5)
-    for dtype in (torch.float16, torch.float32, torch.float64):
-        a = torch.randn(off, generator=g).to(dtype)
-        b = torch.randn(off, generator=g).to(dtype)
-        piece = LayerMap(bounds).piece(0, off)
-        coeffs = coefficients(torch.rand(len(bounds), 3, generator=g, dtype=torch.float64))
-        for out_is_a in (True, False):
-            out, other = (a, b) if out_is_a else (b, a)
-            expected = combine_(out.clone(), other, out_is_a, coeffs, piece)
-            separate = torch.full_like(a, 7.0)
-            got = combine_(out.clone(), other, out_is_a, coeffs, piece, copy=separate)
-            assert torch.equal(got, expected), (dtype, out_is_a)
-            assert torch.equal(separate[5003], torch.tensor(7.0, dtype=dtype))   # the gap
-            separate[5003] = expected[5003]
-            assert torch.equal(separate, expected), (dtype, out_is_a)
-            aliased = other.clone()
-            got = combine_(out.clone(), aliased, out_is_a, coeffs, piece, copy=aliased)
-            assert torch.equal(got, expected) and torch.equal(aliased[:5003], expected[:5003])
-            assert torch.equal(aliased[5004:], expected[5004:]), (dtype, out_is_a)
-
-
 @pytest.mark.timeout(60)
 def test_device_generic_code_matches_cpu_code(monkeypatch):
     """The torch code that CUDA tensors run (HOST_CODE off: no C kernels, numpy reduceat or C

@@ -32,8 +32,9 @@ import torch
 from .base import CommunicationError, Communicator, ReduceOp, split_sizes
 
 _LINE = 64                        # one counter per cache line
-_SPIN_S = 50e-6                   # busy-poll this long, then nap between polls
-_NAP_S = 20e-6
+_SPIN_S = 50e-6                   # busy-poll this long,
+_YIELD_S = 2e-3                   # then give the core to other runnable processes this long,
+_NAP_S = 20e-6                    # then nap between polls
 _PID_CHECK_S = 0.1                # how often a waiting rank checks that its peers still live
 SEGMENT_DIR = "/dev/shm"
 # An in-node allreduce goes chunk by chunk: what one phase writes is read by the next from the
@@ -125,8 +126,13 @@ class SharedMemoryGroup:
         deadline, next_check = start + self.timeout, start + _PID_CHECK_S
         while counters.min() < target:
             now = time.monotonic()
-            if now - start > _SPIN_S:
+            if now - start > _YIELD_S:
                 time.sleep(_NAP_S)
+            elif now - start > _SPIN_S:
+                # A nap lasts 80 us or more (the timer's granularity), while a peer is often
+                # a few us away; a yield returns at once when nothing else waits for the core,
+                # and lets a peer sharing it (more ranks than cores) run.
+                os.sched_yield()
             if now > next_check:
                 next_check = now + _PID_CHECK_S
                 self._check_peers(target, what)

@@ -13,6 +13,7 @@
  * relative error near 1e-9, far inside Adasum's 1e-5.  target_clones picks the AVX2+FMA build
  * where the CPU has it, at load time.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -204,32 +205,290 @@ void hx_adasum_coefficients(const double *dots, int64_t layers, int64_t out_is_b
         }                                                                              \
     }
 
-/* The same, with every result also written to copy (at the same offsets): the last level of
- * the in-node tree needs each shard both in the rank's own vector and in the shared slot the
- * others read, and writing both in the pass saves reading the shard again to copy it.  copy
- * may be other itself (never a partial overlap): each element is read before it is written,
- * so ivdep lets the loop vectorise without the overlap check that would run it scalar. */
-#define COMBINE_COPY(NAME, T)                                                          \
-    KERNEL void NAME(T *out, const T *other, T *copy, const int64_t *segs, int64_t nseg, \
-                     const double *weights)                                            \
+DOTS(hx_adasum_dots_f64, double, load4_f64)
+COMBINE(hx_adasum_combine_f32, float)
+COMBINE(hx_adasum_combine_f64, double)
+
+/* ---- The in-node tree from one Gram matrix (gram.py) ------------------------------------------
+ * v: k vectors (pointers); segments as above.  gram gets, per layer, the packed upper triangle
+ * of the k x k matrix of dot products, row by row: (0,0), (0,1), ..., (0,k-1), (1,1), ...
+ * The elements go by blocks of F32_BLOCK, all pairs of a block while it is in L1; each pair's
+ * sums run in the lanes and order of hx_adasum_dots_f32 / _f64, so two vectors give the very
+ * bits of [a.b, a.a, b.b] there. */
+#define GRAM_PAIRS(k) ((k) * ((k) + 1) / 2)
+
+static void gram_exact_f32(const float *const *v, int64_t k, int64_t start, int64_t n,
+                           double *out)
+{
+    for (int64_t a = 0, p = 0; a < k; a++)
+        for (int64_t b = a; b < k; b++, p++) {
+            const float *x = v[a] + start, *y = v[b] + start;
+            double sum = 0.0;
+            for (int64_t i = 0; i < n; i++)
+                sum += (double)x[i] * (double)y[i];
+            out[p] = sum;
+        }
+}
+
+/* One block of every pair's products, added into acc (one f64x4 per pair).  For a few vectors
+ * (K known when compiled) each 16 elements of every vector are loaded once for all pairs and
+ * the sums stay in registers; any k reloads them per pair.  The same operations in the same
+ * order either way, so the bits do not depend on which runs. */
+#define GRAM_BLOCK(NAME, K)                                                            \
+    static inline __attribute__((always_inline)) void NAME(const float *const *v,      \
+                                                           int64_t at, f64x4 *acc)     \
     {                                                                                  \
-        for (int64_t s = 0; s < nseg; s++) {                                           \
-            T *x = out + segs[3 * s], *c = copy + segs[3 * s];                         \
-            const T *y = other + segs[3 * s];                                          \
-            const int64_t n = segs[3 * s + 1];                                         \
-            const T wx = (T)weights[2 * segs[3 * s + 2]];                              \
-            const T wy = (T)weights[2 * segs[3 * s + 2] + 1];                          \
+        f32x8 s0[GRAM_PAIRS(K)], s1[GRAM_PAIRS(K)];                                    \
+        for (int p = 0; p < GRAM_PAIRS(K); p++)                                        \
+            s0[p] = s1[p] = (f32x8){0};                                                \
+        for (int64_t j = at; j < at + F32_BLOCK; j += 16) {                            \
+            f32x8 u0[K], u1[K];                                                        \
+            for (int a = 0; a < K; a++) {                                              \
+                u0[a] = load8_f32(v[a] + j);                                           \
+                u1[a] = load8_f32(v[a] + j + 8);                                       \
+            }                                                                          \
+            for (int a = 0, p = 0; a < K; a++)                                         \
+                for (int b = a; b < K; b++, p++) {                                     \
+                    s0[p] += u0[a] * u0[b];                                            \
+                    s1[p] += u1[a] * u1[b];                                            \
+                }                                                                      \
+        }                                                                              \
+        for (int p = 0; p < GRAM_PAIRS(K); p++)                                        \
+            carry_f32(s0[p] + s1[p], &acc[p]);                                         \
+    }
+
+GRAM_BLOCK(gram_block_2, 2)
+GRAM_BLOCK(gram_block_3, 3)
+GRAM_BLOCK(gram_block_4, 4)
+
+static inline __attribute__((always_inline)) void gram_block_k(const float *const *v,
+                                                               int64_t k, int64_t at,
+                                                               f64x4 *acc)
+{
+    for (int64_t a = 0, p = 0; a < k; a++)
+        for (int64_t b = a; b < k; b++, p++) {
+            const float *x = v[a], *y = v[b];
+            f32x8 s0 = {0}, s1 = {0};
+            for (int64_t j = at; j < at + F32_BLOCK; j += 16) {
+                s0 += load8_f32(x + j) * load8_f32(y + j);
+                s1 += load8_f32(x + j + 8) * load8_f32(y + j + 8);
+            }
+            carry_f32(s0 + s1, &acc[p]);
+        }
+}
+
+KERNEL void hx_adasum_gram_f32(const float *const *v, int64_t k, const int64_t *segs,
+                               int64_t nseg, double *gram)
+{
+    const int64_t pairs = GRAM_PAIRS(k);
+    f64x4 acc[pairs];
+    double sums[pairs];
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t start = segs[3 * s], n = segs[3 * s + 1];
+        for (int64_t p = 0; p < pairs; p++) {
+            acc[p] = (f64x4){0};
+            sums[p] = 0.0;
+        }
+        int64_t i = 0;
+        for (; i + F32_BLOCK <= n; i += F32_BLOCK) {
+            if (k == 2)
+                gram_block_2(v, start + i, acc);
+            else if (k == 3)
+                gram_block_3(v, start + i, acc);
+            else if (k == 4)
+                gram_block_4(v, start + i, acc);
+            else
+                gram_block_k(v, k, start + i, acc);
+        }
+        for (int64_t a = 0, p = 0; a < k; a++)
+            for (int64_t b = a; b < k; b++, p++) {
+                const float *x = v[a] + start, *y = v[b] + start;
+                for (int64_t t = i; t < n; t++)
+                    sums[p] += (double)x[t] * (double)y[t];
+                for (int j = 0; j < 4; j++)
+                    sums[p] += acc[p][j];
+            }
+        /* As hx_adasum_dots_f32: where a float32 product may have overflowed or lost digits
+         * (a tiny or huge vector), the segment is summed again with float64 products. */
+        int ok = 1;
+        const double floor = F32_SAFE_MEAN_SQUARE * (double)n;
+        for (int64_t a = 0, p = 0; a < k; a++)
+            for (int64_t b = a; b < k; b++, p++) {
+                const double m = sums[p] < 0 ? -sums[p] : sums[p];
+                ok &= m < 1e300 && (a != b || sums[p] >= floor);
+            }
+        if (n >= F32_BLOCK && !ok)
+            gram_exact_f32(v, k, start, n, sums);
+        double *row = gram + pairs * segs[3 * s + 2];
+        for (int64_t p = 0; p < pairs; p++)
+            row[p] += sums[p];
+    }
+}
+
+KERNEL void hx_adasum_gram_f64(const double *const *v, int64_t k, const int64_t *segs,
+                               int64_t nseg, double *gram)
+{
+    const int64_t pairs = GRAM_PAIRS(k);
+    f64x4 acc0[pairs], acc1[pairs];
+    double sums[pairs];
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t start = segs[3 * s], n = segs[3 * s + 1];
+        for (int64_t p = 0; p < pairs; p++) {
+            acc0[p] = acc1[p] = (f64x4){0};
+            sums[p] = 0.0;
+        }
+        int64_t i = 0;
+        for (; i + F32_BLOCK <= n; i += F32_BLOCK)
+            for (int64_t a = 0, p = 0; a < k; a++)
+                for (int64_t b = a; b < k; b++, p++) {
+                    const double *x = v[a] + start, *y = v[b] + start;
+                    f64x4 s0 = acc0[p], s1 = acc1[p];
+                    for (int64_t j = i; j < i + F32_BLOCK; j += 8) {
+                        s0 += load4_f64(x + j) * load4_f64(y + j);
+                        s1 += load4_f64(x + j + 4) * load4_f64(y + j + 4);
+                    }
+                    acc0[p] = s0;
+                    acc1[p] = s1;
+                }
+        /* the 8-element steps of hx_adasum_dots_f64 go on past the blocks, then one by one */
+        for (int64_t a = 0, p = 0; a < k; a++)
+            for (int64_t b = a; b < k; b++, p++) {
+                const double *x = v[a] + start, *y = v[b] + start;
+                f64x4 s0 = acc0[p], s1 = acc1[p];
+                int64_t t = i;
+                for (; t + 8 <= n; t += 8) {
+                    s0 += load4_f64(x + t) * load4_f64(y + t);
+                    s1 += load4_f64(x + t + 4) * load4_f64(y + t + 4);
+                }
+                for (; t < n; t++)
+                    sums[p] += x[t] * y[t];
+                s0 += s1;
+                for (int j = 0; j < 4; j++)
+                    sums[p] += s0[j];
+            }
+        double *row = gram + pairs * segs[3 * s + 2];
+        for (int64_t p = 0; p < pairs; p++)
+            row[p] += sums[p];
+    }
+}
+
+/* out = sum over j of (T)weights[layer * k + j] * v[j], added in the order j = 0, 1, ...; copy
+ * (may be NULL) gets the same.  out and copy may each be one of the v (at the same offsets,
+ * never a partial overlap): each element is read before it is written, so ivdep lets the
+ * loops vectorise without the overlap check that would run them scalar.  For a few vectors
+ * (K known when compiled) one loop reads them all; any k goes block by block through a small
+ * sum.  Two vectors give the bits of hx_adasum_combine_*: w0 * v0 + w1 * v1. */
+#define MIX_K(NAME, T, K)                                                              \
+    static inline __attribute__((always_inline)) void NAME(const T *const *v, T *out,  \
+                                                           T *copy, int64_t start,     \
+                                                           int64_t n, const T *w)      \
+    {                                                                                  \
+        if (copy) {                                                                    \
             _Pragma("GCC ivdep")                                                       \
-            for (int64_t i = 0; i < n; i++) {                                          \
-                const T v = wx * x[i] + wy * y[i];                                     \
-                x[i] = v;                                                              \
-                c[i] = v;                                                              \
+            for (int64_t i = start; i < start + n; i++) {                              \
+                T sum = w[0] * v[0][i];                                                \
+                for (int j = 1; j < K; j++)                                            \
+                    sum = sum + w[j] * v[j][i];                                        \
+                out[i] = sum;                                                          \
+                copy[i] = sum;                                                         \
+            }                                                                          \
+        } else {                                                                       \
+            _Pragma("GCC ivdep")                                                       \
+            for (int64_t i = start; i < start + n; i++) {                              \
+                T sum = w[0] * v[0][i];                                                \
+                for (int j = 1; j < K; j++)                                            \
+                    sum = sum + w[j] * v[j][i];                                        \
+                out[i] = sum;                                                          \
             }                                                                          \
         }                                                                              \
     }
 
-DOTS(hx_adasum_dots_f64, double, load4_f64)
-COMBINE(hx_adasum_combine_f32, float)
-COMBINE(hx_adasum_combine_f64, double)
-COMBINE_COPY(hx_adasum_combine_copy_f32, float)
-COMBINE_COPY(hx_adasum_combine_copy_f64, double)
+#define MIX(NAME, T)                                                                   \
+    MIX_K(NAME##_2, T, 2)                                                              \
+    MIX_K(NAME##_3, T, 3)                                                              \
+    MIX_K(NAME##_4, T, 4)                                                              \
+    KERNEL void NAME(const T *const *v, int64_t k, T *out, T *copy, const int64_t *segs, \
+                     int64_t nseg, const double *weights)                              \
+    {                                                                                  \
+        T w[k], sum[F32_BLOCK];                                                        \
+        for (int64_t s = 0; s < nseg; s++) {                                           \
+            const int64_t start = segs[3 * s], n = segs[3 * s + 1];                    \
+            for (int64_t j = 0; j < k; j++)                                            \
+                w[j] = (T)weights[k * segs[3 * s + 2] + j];                            \
+            if (k == 2) {                                                              \
+                NAME##_2(v, out, copy, start, n, w);                                   \
+                continue;                                                              \
+            }                                                                          \
+            if (k == 3) {                                                              \
+                NAME##_3(v, out, copy, start, n, w);                                   \
+                continue;                                                              \
+            }                                                                          \
+            if (k == 4) {                                                              \
+                NAME##_4(v, out, copy, start, n, w);                                   \
+                continue;                                                              \
+            }                                                                          \
+            for (int64_t i = start; i < start + n; i += F32_BLOCK) {                   \
+                const int64_t m = n - (i - start) < F32_BLOCK ? n - (i - start) : F32_BLOCK; \
+                for (int64_t t = 0; t < m; t++)                                        \
+                    sum[t] = w[0] * v[0][i + t];                                       \
+                for (int64_t j = 1; j < k; j++)                                        \
+                    for (int64_t t = 0; t < m; t++)                                    \
+                        sum[t] = sum[t] + w[j] * v[j][i + t];                          \
+                memcpy(out + i, sum, m * sizeof(T));                                   \
+                if (copy)                                                              \
+                    memcpy(copy + i, sum, m * sizeof(T));                              \
+            }                                                                          \
+        }                                                                              \
+    }
+
+MIX(hx_adasum_mix_f32, float)
+MIX(hx_adasum_mix_f64, double)
+
+/* Per layer, the weight of each of k inputs in the root of the tree, from the packed Gram
+ * matrices (layers, k (k + 1) / 2); pairs: npairs (a, b) in the tree's order, divisors:
+ * (d_a, d_b) per pair; weights: (layers, k).  gram.py's tree_weights, which says why. */
+void hx_adasum_tree_weights(const double *packed, int64_t layers, int64_t k,
+                            const int64_t *pairs, const double *divisors, int64_t npairs,
+                            double zero_side, double *weights)
+{
+    double g[k][k], w[k][k], scale[k], ga[k], gb[k];
+    for (int64_t l = 0; l < layers; l++) {
+        const double *row = packed + l * GRAM_PAIRS(k);
+        for (int64_t a = 0, p = 0; a < k; a++)
+            for (int64_t b = a; b < k; b++, p++)
+                g[a][b] = g[b][a] = row[p];
+        for (int64_t a = 0; a < k; a++) {
+            scale[a] = g[a][a] > 0.0 ? sqrt(g[a][a]) : 0.0;
+            for (int64_t b = 0; b < k; b++)
+                w[a][b] = a == b ? 1.0 : 0.0;
+        }
+        for (int64_t q = 0; q < npairs; q++) {
+            const double *wa = w[pairs[2 * q]], *wb = w[pairs[2 * q + 1]];
+            double ab = 0.0, aa = 0.0, bb = 0.0, sa = 0.0, sb = 0.0;
+            for (int64_t i = 0; i < k; i++) {
+                ga[i] = gb[i] = 0.0;
+                for (int64_t j = 0; j < k; j++) {
+                    ga[i] += g[i][j] * wa[j];
+                    gb[i] += g[i][j] * wb[j];
+                }
+            }
+            for (int64_t i = 0; i < k; i++) {
+                ab += wa[i] * gb[i];
+                aa += wa[i] * ga[i];
+                bb += wb[i] * gb[i];
+                sa += fabs(wa[i]) * scale[i];
+                sb += fabs(wb[i]) * scale[i];
+            }
+            const int a_zero = aa <= zero_side * sa * sa, b_zero = bb <= zero_side * sb * sb;
+            if (a_zero || b_zero)
+                ab = 0.0;
+            const double ca = a_zero ? 1.0 : 1.0 - ab / (divisors[2 * q] * aa);
+            const double cb = b_zero ? 1.0 : 1.0 - ab / (divisors[2 * q + 1] * bb);
+            double *out = w[pairs[2 * q]];
+            for (int64_t i = 0; i < k; i++)
+                out[i] = ca * wa[i] + cb * wb[i];
+        }
+        for (int64_t i = 0; i < k; i++)
+            weights[l * k + i] = w[0][i];
+    }
+}

@@ -109,16 +109,13 @@ class LayerMap:
 
 _SEGMENTS_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p)
-_COPY_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-              ctypes.c_void_p)
 _LIB = native.load("horovod_ext.algorithms.adasum._kernels", {
     **{f"hx_adasum_{what}_{t}": _SEGMENTS_ARGS for what in ("dots", "combine") for t in ("f32", "f64")},
-    **{f"hx_adasum_combine_copy_{t}": _COPY_ARGS for t in ("f32", "f64")},
     "hx_adasum_coefficients": (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double,
                                ctypes.c_double, ctypes.c_void_p)})
 _KERNELS = {} if _LIB is None else {
     (what, dtype): getattr(_LIB, f"hx_adasum_{what}_{suffix}")
-    for what in ("dots", "combine", "combine_copy")
+    for what in ("dots", "combine")
     for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64"))}
 
 
@@ -300,30 +297,17 @@ def coefficients(dots: torch.Tensor, divisors: Tuple[float, float] = EQUAL) -> t
 
 
 def combine_(out: torch.Tensor, other: torch.Tensor, out_is_a: bool,
-             coeffs: torch.Tensor, piece: Piece,
-             copy: Optional[torch.Tensor] = None) -> torch.Tensor:
+             coeffs: torch.Tensor, piece: Piece) -> torch.Tensor:
     """out = c_out * out + c_other * other on every segment, in place; ``out_is_a`` says whether
-    ``out`` holds the a side (left neighbour's vector) or the b side.  ``copy`` (like ``out``),
-    when given, gets the same results on the same segments."""
+    ``out`` holds the a side (left neighbour's vector) or the b side."""
     if not out_is_a:
         coeffs = coeffs.flip(1)
-    if not len(piece.table):
-        return out
-    kernel = _kernel("combine" if copy is None else "combine_copy", out, other)
-    if kernel is not None and native.takes(out.dtype, copy):
+    kernel = _kernel("combine", out, other)
+    if kernel is not None and len(piece.table):
         weights = coeffs.contiguous()
-        pointers = (out.data_ptr(), other.data_ptr()) + (() if copy is None else (copy.data_ptr(),))
-        kernel(*pointers, piece.table.ctypes.data, len(piece.table), weights.data_ptr())
+        kernel(out.data_ptr(), other.data_ptr(), piece.table.ctypes.data, len(piece.table),
+               weights.data_ptr())
         return out
-    _combine_torch_(out, other, coeffs, piece)
-    if copy is not None:
-        for start, n, _ in piece.table.tolist():
-            copy[start:start + n].copy_(out[start:start + n])
-    return out
-
-
-def _combine_torch_(out: torch.Tensor, other: torch.Tensor, coeffs: torch.Tensor, piece: Piece):
-    """``combine_``'s torch code, on any device; ``coeffs``: (weight of out, weight of other)."""
     weights = coeffs.tolist()  # one device sync for all layers
     low_precision = out.dtype in (torch.float16, torch.bfloat16)
     work_dtype = torch.float32 if low_precision else out.dtype
@@ -347,6 +331,7 @@ def _combine_torch_(out: torch.Tensor, other: torch.Tensor, coeffs: torch.Tensor
                 dst.copy_(dst.float().mul_(c_out).add_(src.float(), alpha=c_other))
             else:
                 dst.mul_(c_out).add_(src, alpha=c_other)
+    return out
 
 
 def adasum_pair_(a: torch.Tensor, b: torch.Tensor, layers: LayerMap,
