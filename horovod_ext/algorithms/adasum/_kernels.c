@@ -230,10 +230,9 @@ static void gram_exact_f32(const float *const *v, int64_t k, int64_t start, int6
         }
 }
 
-/* One block of every pair's products, added into acc (one f64x4 per pair).  For a few vectors
- * (K known when compiled) each 16 elements of every vector are loaded once for all pairs and
- * the sums stay in registers; any k reloads them per pair.  The same operations in the same
- * order either way, so the bits do not depend on which runs. */
+/* One block of every pair's products of K vectors (float32 products and sums over the block,
+ * carried into acc, one f64x4 per pair), each 16 elements of every vector loaded once for all
+ * pairs.  Used for two vectors, where its sums are hx_adasum_dots_f32's, bit for bit. */
 #define GRAM_BLOCK(NAME, K)                                                            \
     static inline __attribute__((always_inline)) void NAME(const float *const *v,      \
                                                            int64_t at, f64x4 *acc)     \
@@ -258,23 +257,47 @@ static void gram_exact_f32(const float *const *v, int64_t k, int64_t start, int6
     }
 
 GRAM_BLOCK(gram_block_2, 2)
-GRAM_BLOCK(gram_block_3, 3)
-GRAM_BLOCK(gram_block_4, 4)
 
-static inline __attribute__((always_inline)) void gram_block_k(const float *const *v,
-                                                               int64_t k, int64_t at,
-                                                               f64x4 *acc)
+/* The same with float64 products (each element widened first), for three vectors or more:
+ * there the tree's coefficients past the first level come from sums and differences of the
+ * products (gram.py), and a node whose inputs nearly cancel needs them to float64's precision;
+ * the float32 blocks' rounding (1e-9 of |x|^2) made such a node's result 100 times less
+ * accurate than the tree computed level by level. */
+static inline __attribute__((always_inline)) void widen8(const float *p, f64x4 *lo, f64x4 *hi)
+{
+    const f32x8 u = load8_f32(p);
+    *lo = __builtin_convertvector(__builtin_shufflevector(u, u, 0, 1, 2, 3), f64x4);
+    *hi = __builtin_convertvector(__builtin_shufflevector(u, u, 4, 5, 6, 7), f64x4);
+}
+
+#define GRAM_BLOCK_WIDE(NAME, K)                                                       \
+    static inline __attribute__((always_inline)) void NAME(const float *const *v,      \
+                                                           int64_t at, f64x4 *acc)     \
+    {                                                                                  \
+        for (int64_t j = at; j < at + F32_BLOCK; j += 8) {                             \
+            f64x4 lo[K], hi[K];                                                        \
+            for (int a = 0; a < K; a++)                                                \
+                widen8(v[a] + j, &lo[a], &hi[a]);                                      \
+            for (int a = 0, p = 0; a < K; a++)                                         \
+                for (int b = a; b < K; b++, p++)                                       \
+                    acc[p] += lo[a] * lo[b] + hi[a] * hi[b];                           \
+        }                                                                              \
+    }
+
+GRAM_BLOCK_WIDE(gram_wide_3, 3)
+GRAM_BLOCK_WIDE(gram_wide_4, 4)
+
+static inline __attribute__((always_inline)) void gram_wide_k(const float *const *v, int64_t k,
+                                                              int64_t at, f64x4 *acc)
 {
     for (int64_t a = 0, p = 0; a < k; a++)
-        for (int64_t b = a; b < k; b++, p++) {
-            const float *x = v[a], *y = v[b];
-            f32x8 s0 = {0}, s1 = {0};
-            for (int64_t j = at; j < at + F32_BLOCK; j += 16) {
-                s0 += load8_f32(x + j) * load8_f32(y + j);
-                s1 += load8_f32(x + j + 8) * load8_f32(y + j + 8);
+        for (int64_t b = a; b < k; b++, p++)
+            for (int64_t j = at; j < at + F32_BLOCK; j += 8) {
+                f64x4 xl, xh, yl, yh;
+                widen8(v[a] + j, &xl, &xh);
+                widen8(v[b] + j, &yl, &yh);
+                acc[p] += xl * yl + xh * yh;
             }
-            carry_f32(s0 + s1, &acc[p]);
-        }
 }
 
 KERNEL void hx_adasum_gram_f32(const float *const *v, int64_t k, const int64_t *segs,
@@ -294,11 +317,11 @@ KERNEL void hx_adasum_gram_f32(const float *const *v, int64_t k, const int64_t *
             if (k == 2)
                 gram_block_2(v, start + i, acc);
             else if (k == 3)
-                gram_block_3(v, start + i, acc);
+                gram_wide_3(v, start + i, acc);
             else if (k == 4)
-                gram_block_4(v, start + i, acc);
+                gram_wide_4(v, start + i, acc);
             else
-                gram_block_k(v, k, start + i, acc);
+                gram_wide_k(v, k, start + i, acc);
         }
         for (int64_t a = 0, p = 0; a < k; a++)
             for (int64_t b = a; b < k; b++, p++) {
@@ -317,7 +340,7 @@ KERNEL void hx_adasum_gram_f32(const float *const *v, int64_t k, const int64_t *
                 const double m = sums[p] < 0 ? -sums[p] : sums[p];
                 ok &= m < 1e300 && (a != b || sums[p] >= floor);
             }
-        if (n >= F32_BLOCK && !ok)
+        if (k == 2 && n >= F32_BLOCK && !ok)
             gram_exact_f32(v, k, start, n, sums);
         double *row = gram + pairs * segs[3 * s + 2];
         for (int64_t p = 0; p < pairs; p++)
