@@ -14,8 +14,10 @@ when its G entry is exactly 0, as before; a combined node when w^T G w is within
 rounding of the terms it sums (exactly cancelling inputs), where the level by level tree, which
 forms the node's vector first, also finds zeros.
 
-Sums, as the C kernels' dot products, run in float64 whatever the input type; two vectors give
-the bits of operator.partial_dots, coefficients and combine_.
+Sums run in float64 whatever the input type, and for three vectors or more so do the products
+(the later levels' coefficients come from differences of the entries, which float32 products
+would leave 1e-9 of |x|^2 off); two vectors give the bits of operator.partial_dots,
+coefficients and combine_.
 """
 import ctypes
 import functools
