@@ -106,9 +106,36 @@ def called_markdown(report) -> str:
     return "\n".join(lines)
 
 
+def _us(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def runs_markdown(reports) -> str:
+    """Both tables of several reports of the same matrix: per transport, np and size, each run's
+    median of each op and each run's ratio Adasum / Sum, back-to-back calls then as called."""
+    out = []
+    for title, key, ratio in (("Back-to-back calls", "us", "ratio"),
+                              ("As a script calls it", "called_us", "called_ratio")):
+        out += [f"{title}:", "",
+                "| transport | size | Sum us (runs) | Adasum us (runs) | Adasum / Sum (runs) |",
+                "| --- | ---: | --- | --- | --- |"]
+        for i, run in enumerate(reports[0]["runs"]):
+            for j, r in enumerate(run["rows"]):
+                rows = [report["runs"][i]["rows"][j] for report in reports]
+                cells = [", ".join(_us(row[f"{op}_{key}"]) for row in rows)
+                         for op in ("sum", "adasum")]
+                ratios = ", ".join(f"{row[ratio]:.2f}" for row in rows)
+                out.append(f"| {run['transport']} np={run['np']} | {_spawn.human(r['size'])} | "
+                           f"{cells[0]} | {cells[1]} | {ratios} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main():
     p = _spawn.parser(__doc__, "adasum.json", SIZES)
-    p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's table")
+    p.add_argument("--markdown", metavar="JSON", nargs="+",
+                   help="only print the tables of earlier reports (one: its \"as called\" "
+                        "blocks; several runs of one matrix: each run's medians and ratios)")
     p.add_argument("--nps", default="2,4")
     p.add_argument("--backends", default="mpi,gloo")
     p.add_argument("--seconds", type=float, default=1.5, help="time budget per size")
@@ -119,8 +146,11 @@ def main():
         return worker(args)
     if args.markdown:
         import json
-        with open(args.markdown) as f:
-            return print(called_markdown(json.load(f)))
+        reports = []
+        for path in args.markdown:
+            with open(path) as f:
+                reports.append(json.load(f))
+        return print(called_markdown(reports[0]) if len(reports) == 1 else runs_markdown(reports))
     if args.quick:
         args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
     report = {"runs": []}

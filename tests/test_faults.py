@@ -62,8 +62,10 @@ def test_op_failing_on_two_of_four_ranks_fails_every_rank_at_once(shared_memory)
         if r < 2:
             assert "'doomed' failed" in error and "injected failure on rank" in error, error
             assert "rank 2 failed" in error or "rank 3 failed" in error, error
-        else:   # its own failure, or, where a peer's stop reached it before its op ran, that
-            assert ("'doomed' failed" in error and f"injected failure on rank {r}" in error
+        else:   # its own failure, or, where a peer's news reached it before its op ran
+            # (4 ranks on 2 cores under load), the other failing rank's or a closed connection
+            assert ("'doomed' failed" in error and ("injected failure on rank 2" in error
+                                                    or "injected failure on rank 3" in error)
                     or "closed its connection" in error), error
         assert later is not None and "stopped" in later, later
         assert after == [4.0, 4.0], after

@@ -93,16 +93,16 @@ def test_every_op_writes_its_phases_on_its_tensors_track(backend, tmp_path):
     assert _named(tracks["broadcast.bcast"], f"{wire}_BROADCAST")
 
     adasum = {e["name"] for e in tracks["allreduce.adasum"]}
-    level = _named(tracks["allreduce.adasum"], "ADASUM_LEVEL_0")[0]
     if backend == "mpi":   # recursive vector-halving over MPI's exchanges
+        level = _named(tracks["allreduce.adasum"], "ADASUM_LEVEL_0")[0]
         assert {"ADASUM", "ADASUM_LEVEL_0", "ADASUM_EXCHANGE", "ADASUM_DOT_PRODUCTS",
                 "ADASUM_COMBINE", "ADASUM_ALLGATHER"} <= adasum, adasum
         assert level["args"]["bytes"] == 150_000 * 4    # half the vector goes to the partner
-    else:                  # one host under Gloo: the same tree through shared memory
-        assert {"ADASUM", "SHM_ADASUM", "ADASUM_PUBLISH", "ADASUM_LEVEL_0",
-                "ADASUM_DOT_PRODUCTS", "ADASUM_DOT_PRODUCTS_SUM", "ADASUM_COMBINE",
-                "ADASUM_RESULT"} <= adasum, adasum
-        assert level["args"]["bytes"] == 2 * 150_000 * 4    # both vectors' shards of the pair
+    else:                  # one host under Gloo: the tree from the Gram matrix, in shared memory
+        assert {"ADASUM", "SHM_ADASUM", "ADASUM_PUBLISH", "ADASUM_GRAM", "ADASUM_GRAM_SUM",
+                "ADASUM_COMBINE", "ADASUM_RESULT"} <= adasum, adasum
+        gram = _named(tracks["allreduce.adasum"], "ADASUM_GRAM")[0]
+        assert gram["args"]["bytes"] == 2 * 150_000 * 4    # both vectors' shards of this rank
 
     onebit = {e["name"] for e in tracks["allreduce.onebit"]}
     assert {"ONEBIT", "ONEBIT_COMPRESS", f"{wire}_ALLTOALL", "ONEBIT_SERVER_AVERAGE",
