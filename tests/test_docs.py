@@ -128,6 +128,8 @@ PRINTED = {  # pages whose tables a benchmark prints from their data: the page h
     "benchmarks/ddp_parity.md": [
         ["ddp_parity.py", "--markdown", f"docs/benchmarks/{name}.json"]
         for name in ("ddp_parity_2x1", "ddp_parity_2x1_arrival_order", "ddp_parity_2x2")],
+    "benchmarks/adasum.md": [
+        ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_run{i}.json" for i in (1, 2, 3)]],
     "benchmarks/end_to_end.md": [
         ["end_to_end.py", "--markdown"] + [f"docs/end_to_end_run{i}.json" for i in (1, 2, 3)]],
 }
