@@ -42,6 +42,10 @@ class Collectives:
         empty = torch.empty(0, dtype=dtype)
         if not (self.hierarchical or self._single_node(numel * empty.element_size())):
             return None
+        if self.world.stages(empty):
+            # a staged buffer's chunks go through the slot themselves (_staged_in_node): the
+            # buffer there would be overwritten before it is read
+            return None
         in_node = self.topology.in_node(empty)
         return None if in_node is None else in_node.buffer(numel, dtype)
 

@@ -14,7 +14,8 @@ when its G entry is exactly 0, as before; a combined node when w^T G w is within
 rounding of the terms it sums (exactly cancelling inputs), where the level by level tree, which
 forms the node's vector first, also finds zeros.
 
-Sums run in float64 whatever the input type, and for three vectors or more so do the products
+CPU tensors only (the shared-memory path's); the torch/numpy code stands in for the C kernels
+where they are not built, or for 16-bit types.  Sums run in float64 whatever the input type, and for three vectors or more so do the products
 (the later levels' coefficients come from differences of the entries, which float32 products
 would leave 1e-9 of |x|^2 off); two vectors give the bits of operator.partial_dots,
 coefficients and combine_.
@@ -30,7 +31,7 @@ from horovod_ext.backends import native
 
 from . import operator
 from .gather import largest_power_of_two, tree_divisors
-from .operator import EQUAL, Piece
+from .operator import CHUNK, EQUAL, Piece, Run
 
 _VECTORS_ARGS = (ctypes.c_void_p, ctypes.c_int64)
 _LIB = native.load("horovod_ext.algorithms.adasum._kernels", {
@@ -89,10 +90,18 @@ def gram(vectors: List[torch.Tensor], piece: Piece) -> np.ndarray:
     if kernel is not None:
         kernel(_addresses(vectors), k, piece.address, piece.count, out.ctypes.data)
         return out
-    for start, n, layer in piece.table.tolist():
-        rows = torch.stack([v[start:start + n] for v in vectors]).double()
-        full = (rows @ rows.t()).numpy()
-        out[layer] += full[np.triu_indices(k)]
+    rows_of, cols_of = np.triu_indices(k)
+    for item in piece.items:
+        if isinstance(item, Run):   # many small layers: every pair's products, summed per layer
+            rows = torch.stack([v[item.start:item.end] for v in vectors]).double().numpy()
+            products = rows[rows_of] * rows[cols_of]
+            starts = (item.lengths.cumsum(0) - item.lengths).numpy()
+            out[item.layers.numpy()] += np.add.reduceat(products, starts, axis=1).T
+            continue
+        for start in range(item.start, item.end, CHUNK):
+            end = min(item.end, start + CHUNK)
+            rows = torch.stack([v[start:end] for v in vectors]).double()
+            out[item.layer] += (rows @ rows.t()).numpy()[rows_of, cols_of]
     return out
 
 
@@ -146,8 +155,8 @@ def tree_weights_numpy(packed: np.ndarray, k: int) -> np.ndarray:
 def mix_(out: torch.Tensor, vectors: List[torch.Tensor], weights: np.ndarray, piece: Piece,
          copy: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out`` = sum_j weights[layer, j] * vectors[j] on the segments of ``piece`` (weights
-    rounded to the vectors' type, terms added in order), also into ``copy`` when given; ``out``
-    and ``copy`` may each be one of ``vectors``."""
+    rounded to the vectors' type, float32 for 16-bit ones, terms added in order), also into
+    ``copy`` when given; ``out`` and ``copy`` may each be one of ``vectors``."""
     if not piece.count:
         return out
     k = len(vectors)
@@ -158,12 +167,17 @@ def mix_(out: torch.Tensor, vectors: List[torch.Tensor], weights: np.ndarray, pi
                piece.address, piece.count, weights.ctypes.data)
         return out
     work = torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype
-    for start, n, layer in piece.table.tolist():
-        w = torch.tensor(weights[layer], dtype=work)
-        total = w[0] * vectors[0][start:start + n].to(work)
+    table = torch.from_numpy(np.ascontiguousarray(weights)).to(work)
+    for item in piece.items:
+        if isinstance(item, Run):   # many small layers: the weights repeated per element
+            start, end = item.start, item.end
+            w = torch.repeat_interleave(table[item.layers], item.lengths, dim=0)
+        else:
+            start, end, w = item.start, item.end, table[item.layer]
+        total = w[..., 0] * vectors[0][start:end].to(work)
         for j in range(1, k):
-            total = total + w[j] * vectors[j][start:start + n].to(work)
-        out[start:start + n] = total
+            total = total + w[..., j] * vectors[j][start:end].to(work)
+        out[start:end] = total
         if copy is not None:
-            copy[start:start + n] = total
+            copy[start:end] = total
     return out
