@@ -15,10 +15,10 @@ rounding of the terms it sums (exactly cancelling inputs), where the level by le
 forms the node's vector first, also finds zeros.
 
 CPU tensors only (the shared-memory path's); the torch/numpy code stands in for the C kernels
-where they are not built, or for 16-bit types.  Sums run in float64 whatever the input type, and for three vectors or more so do the products
-(the later levels' coefficients come from differences of the entries, which float32 products
-would leave 1e-9 of |x|^2 off); two vectors give the bits of operator.partial_dots,
-coefficients and combine_.
+where they are not built, or for 16-bit types.  Sums run in float64 whatever the input type,
+and for three vectors or more so do the products (the later levels' coefficients come from
+differences of the entries, which float32 products would leave 1e-9 of |x|^2 off); two vectors
+give the bits of operator.partial_dots, coefficients and combine_.
 """
 import ctypes
 import functools
