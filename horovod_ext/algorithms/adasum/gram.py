@@ -10,7 +10,7 @@ and waits once.  The in-node Adasum (shared_memory.py) computes G over each rank
 sums the shards' tables.
 
 A node whose vector is zero weighs 1 in its pair (operator.coefficients): an input is zero
-when its G entry is exactly 0, as before; a combined node when w^T G w is within float64's
+when its G entry is exactly 0, as there; a combined node when w^T G w is within float64's
 rounding of the terms it sums (exactly cancelling inputs), where the level by level tree, which
 forms the node's vector first, also finds zeros.
 
