@@ -232,23 +232,28 @@ class SharedMemoryGroup:
         self._table_area = 0
         return views
 
-    def sum_tables(self, table: torch.Tensor) -> torch.Tensor:
+    def sum_tables(self, table: np.ndarray) -> np.ndarray:
         """The sum over the local ranks of the float64 ``table`` (the same shape on each), added
         in local-rank order (the same bits everywhere), through the slots' table areas (at
         most ``publish``'s ``table_bytes``); areas alternate, so a rank writing the next table
-        never meets one still read."""
-        nbytes = table.numel() * 8
+        never meets one still read.  numpy, not torch: the tables are small, and per call a
+        torch op's overhead exceeded the arithmetic."""
+        table = np.ascontiguousarray(table, dtype=np.float64)
+        nbytes = table.size * 8
         if nbytes > self._table_room:
             raise ValueError(f"a table of {nbytes} bytes in areas of {self._table_room}")
         at = self._table_at + self._table_area * self._table_room
         self._table_area ^= 1
-        areas = [self._slots[k][at:at + nbytes].view(torch.float64) for k in range(self.size)]
-        areas[self.rank].copy_(table.reshape(-1))
+        header = 2 * self.size * _LINE
+        areas = [np.frombuffer(self._mm, dtype=np.float64, count=table.size,
+                               offset=header + k * self._capacity + at)
+                 for k in range(self.size)]
+        areas[self.rank][:] = table.reshape(-1)
         self._arrive_and_wait("table sum")
-        total = areas[0].clone()
+        total = areas[0].copy()
         for area in areas[1:]:
             total += area
-        return total.view_as(table)
+        return total.reshape(table.shape)
 
     def arrive(self, what: str):
         """Wait until every local rank has come this far (``what`` names the step in errors)."""

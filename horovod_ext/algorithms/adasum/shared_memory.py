@@ -45,9 +45,9 @@ def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
     shards = [slot[lo:hi] for slot in slots]
     shards[me] = x[lo:hi]
     with trace.activity("ADASUM_GRAM", n * (hi - lo) * x.element_size()):
-        table = torch.from_numpy(gram(shards, piece))
-    with trace.activity("ADASUM_GRAM_SUM", table.numel() * 8):
-        weights = tree_weights(group.sum_tables(table).numpy(), n)
+        table = gram(shards, piece)
+    with trace.activity("ADASUM_GRAM_SUM", table.size * 8):
+        weights = tree_weights(group.sum_tables(table), n)
     # The result goes both into slot 0, where the others read it, and into this rank's x.
     separate = x.data_ptr() != slots[0].data_ptr()
     copy = (slots[0] if me == 0 else x)[lo:hi] if separate else None
