@@ -12,7 +12,7 @@ runs the same operations on the same operands in the same roles, so all ranks en
 bits (the C kernels' sums have a fixed order on every CPU, and so have the torch code's that GPU
 tensors take: segment_reduce sums each segment in order, no atomics).
 """
-from typing import Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -20,7 +20,7 @@ from horovod_ext.backends.base import Communicator
 
 import numpy as np
 
-from .operator import WORKSPACE, LayerMap, adasum_pair_, kernels_for
+from .operator import EQUAL, WORKSPACE, LayerMap, adasum_pair_, kernels_for
 
 
 def largest_power_of_two(n: int) -> int:
@@ -43,6 +43,19 @@ def tree_divisors(n: int, lo: int, d: int) -> Tuple[float, float]:
 
     w_a, w_b = ranks(lo, lo + d), ranks(lo + d, lo + 2 * d)
     return (w_a + w_b) / w_a, (w_a + w_b) / w_b
+
+
+def tree_levels(n: int) -> List[List[Tuple[int, int, Tuple[float, float]]]]:
+    """The tree's pairs (a, b, divisors) over ``n`` nodes, level by level: the fold of
+    r >= p into r - p (p the largest power of two <= n), then distance 1, 2, ...; the a side
+    becomes the pair's node, and the root is node 0."""
+    p = largest_power_of_two(n)
+    levels = [[(r - p, r, EQUAL) for r in range(p, n)]] if n > p else []
+    d = 1
+    while d < p:
+        levels.append([(i, i + d, tree_divisors(n, i, d)) for i in range(0, p, 2 * d)])
+        d *= 2
+    return levels
 
 
 def gather_adasum_(x: torch.Tensor, layers: LayerMap, comm: Communicator,
@@ -70,12 +83,7 @@ def gather_adasum_(x: torch.Tensor, layers: LayerMap, comm: Communicator,
         return x
     rows = comm.allgather(x.view(1, -1))
     vectors = [rows[rank] for rank in order]
-    p = largest_power_of_two(n)
-    for r in range(p, n):
-        adasum_pair_(vectors[r - p], vectors[r], layers)
-    d = 1
-    while d < p:
-        for i in range(0, p, 2 * d):
-            adasum_pair_(vectors[i], vectors[i + d], layers, tree_divisors(n, i, d))
-        d *= 2
+    for pairs in tree_levels(n):
+        for a, b, divisors in pairs:
+            adasum_pair_(vectors[a], vectors[b], layers, divisors)
     return x.copy_(vectors[0])

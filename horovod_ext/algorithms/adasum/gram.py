@@ -30,8 +30,8 @@ import torch
 from horovod_ext.backends import native
 
 from . import operator
-from .gather import largest_power_of_two, tree_divisors
-from .operator import CHUNK, EQUAL, Piece, Run
+from .gather import tree_levels
+from .operator import CHUNK, Piece, Run
 
 _VECTORS_ARGS = (ctypes.c_void_p, ctypes.c_int64)
 _LIB = native.load("horovod_ext.algorithms.adasum._kernels", {
@@ -47,19 +47,6 @@ _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 # Relative size, against the terms it sums, below which w^T G w counts as zero: float64's
 # rounding of a sum of k^2 terms stays far below it.
 ZERO_SIDE = 1e-12
-
-
-def tree_levels(n: int):
-    """The tree's pairs (a, b, divisors) over ``n`` vectors, level by level: the fold of
-    r >= p into r - p (p the largest power of two <= n), then distance 1, 2, ...; the a side
-    becomes the pair's node.  The root is node 0."""
-    p = largest_power_of_two(n)
-    levels = [[(r - p, r, EQUAL) for r in range(p, n)]] if n > p else []
-    d = 1
-    while d < p:
-        levels.append([(i, i + d, tree_divisors(n, i, d)) for i in range(0, p, 2 * d)])
-        d *= 2
-    return levels
 
 
 def pair_count(k: int) -> int:
