@@ -89,8 +89,9 @@ def test_gram_matches_float64_products(monkeypatch, host_code):
 
 
 def test_two_vectors_give_the_bits_of_the_pair_kernels():
-    """Two vectors: [(0,1), (0,0), (1,1)] of the Gram matrix are operator.partial_dots'
-    [a.b, a.a, b.b] bit for bit, and mix_ is combine_ bit for bit (C kernels)."""
+    """Two vectors: the Gram matrix is operator.partial_dots' [a.b, a.a, b.b] in packed order,
+    the root's weights are operator.coefficients' and mix_ is combine_, bit for bit (C
+    kernels): the in-node tree at two ranks is the pair Adasum of RVH and the gather path."""
     bounds, n = _bounds()
     layers = LayerMap(bounds)
     piece = layers.piece(0, n)

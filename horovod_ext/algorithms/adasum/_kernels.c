@@ -210,59 +210,16 @@ COMBINE(hx_adasum_combine_f32, float)
 COMBINE(hx_adasum_combine_f64, double)
 
 /* ---- The in-node tree from one Gram matrix (gram.py) ------------------------------------------
- * v: k vectors (pointers); segments as above.  gram gets, per layer, the packed upper triangle
- * of the k x k matrix of dot products, row by row: (0,0), (0,1), ..., (0,k-1), (1,1), ...
- * The elements go by blocks of F32_BLOCK, all pairs of a block while it is in L1; each pair's
- * sums run in the lanes and order of hx_adasum_dots_f32 / _f64, so two vectors give the very
- * bits of [a.b, a.a, b.b] there. */
+ * v: k >= 3 vectors (pointers; two take hx_adasum_dots_*); segments as above.  gram gets, per
+ * layer, the packed upper triangle of the k x k matrix of dot products, row by row: (0,0),
+ * (0,1), ..., (0,k-1), (1,1), ...  The elements go by blocks of F32_BLOCK, every pair of a block
+ * while it is in L1.  Products are float64 (float32 elements widened first): the tree's
+ * coefficients past its first level come from sums and differences of the products, and a node
+ * whose inputs nearly cancel needs them to float64's precision (float32 products summed in
+ * blocks, 1e-9 of |x|^2 off, made such a node 100 times less accurate than the tree computed
+ * level by level). */
 #define GRAM_PAIRS(k) ((k) * ((k) + 1) / 2)
 
-static void gram_exact_f32(const float *const *v, int64_t k, int64_t start, int64_t n,
-                           double *out)
-{
-    for (int64_t a = 0, p = 0; a < k; a++)
-        for (int64_t b = a; b < k; b++, p++) {
-            const float *x = v[a] + start, *y = v[b] + start;
-            double sum = 0.0;
-            for (int64_t i = 0; i < n; i++)
-                sum += (double)x[i] * (double)y[i];
-            out[p] = sum;
-        }
-}
-
-/* One block of every pair's products of K vectors (float32 products and sums over the block,
- * carried into acc, one f64x4 per pair), each 16 elements of every vector loaded once for all
- * pairs.  Used for two vectors, where its sums are hx_adasum_dots_f32's, bit for bit. */
-#define GRAM_BLOCK(NAME, K)                                                            \
-    static inline __attribute__((always_inline)) void NAME(const float *const *v,      \
-                                                           int64_t at, f64x4 *acc)     \
-    {                                                                                  \
-        f32x8 s0[GRAM_PAIRS(K)], s1[GRAM_PAIRS(K)];                                    \
-        for (int p = 0; p < GRAM_PAIRS(K); p++)                                        \
-            s0[p] = s1[p] = (f32x8){0};                                                \
-        for (int64_t j = at; j < at + F32_BLOCK; j += 16) {                            \
-            f32x8 u0[K], u1[K];                                                        \
-            for (int a = 0; a < K; a++) {                                              \
-                u0[a] = load8_f32(v[a] + j);                                           \
-                u1[a] = load8_f32(v[a] + j + 8);                                       \
-            }                                                                          \
-            for (int a = 0, p = 0; a < K; a++)                                         \
-                for (int b = a; b < K; b++, p++) {                                     \
-                    s0[p] += u0[a] * u0[b];                                            \
-                    s1[p] += u1[a] * u1[b];                                            \
-                }                                                                      \
-        }                                                                              \
-        for (int p = 0; p < GRAM_PAIRS(K); p++)                                        \
-            carry_f32(s0[p] + s1[p], &acc[p]);                                         \
-    }
-
-GRAM_BLOCK(gram_block_2, 2)
-
-/* The same with float64 products (each element widened first), for three vectors or more:
- * there the tree's coefficients past the first level come from sums and differences of the
- * products (gram.py), and a node whose inputs nearly cancel needs them to float64's precision;
- * the float32 blocks' rounding (1e-9 of |x|^2) made such a node's result 100 times less
- * accurate than the tree computed level by level. */
 static inline __attribute__((always_inline)) void widen8(const float *p, f64x4 *lo, f64x4 *hi)
 {
     const f32x8 u = load8_f32(p);
@@ -270,7 +227,9 @@ static inline __attribute__((always_inline)) void widen8(const float *p, f64x4 *
     *hi = __builtin_convertvector(__builtin_shufflevector(u, u, 4, 5, 6, 7), f64x4);
 }
 
-#define GRAM_BLOCK_WIDE(NAME, K)                                                       \
+/* One block into acc (one f64x4 per pair); for a few vectors (K known when compiled) each 8
+ * elements of every vector are widened once for all pairs, any k widens them per pair. */
+#define GRAM_BLOCK(NAME, K)                                                            \
     static inline __attribute__((always_inline)) void NAME(const float *const *v,      \
                                                            int64_t at, f64x4 *acc)     \
     {                                                                                  \
@@ -284,11 +243,12 @@ static inline __attribute__((always_inline)) void widen8(const float *p, f64x4 *
         }                                                                              \
     }
 
-GRAM_BLOCK_WIDE(gram_wide_3, 3)
-GRAM_BLOCK_WIDE(gram_wide_4, 4)
+GRAM_BLOCK(gram_block_3, 3)
+GRAM_BLOCK(gram_block_4, 4)
 
-static inline __attribute__((always_inline)) void gram_wide_k(const float *const *v, int64_t k,
-                                                              int64_t at, f64x4 *acc)
+static inline __attribute__((always_inline)) void gram_block_k(const float *const *v,
+                                                               int64_t k, int64_t at,
+                                                               f64x4 *acc)
 {
     for (int64_t a = 0, p = 0; a < k; a++)
         for (int64_t b = a; b < k; b++, p++)
@@ -300,100 +260,51 @@ static inline __attribute__((always_inline)) void gram_wide_k(const float *const
             }
 }
 
-KERNEL void hx_adasum_gram_f32(const float *const *v, int64_t k, const int64_t *segs,
-                               int64_t nseg, double *gram)
+static inline __attribute__((always_inline)) void gram_block_f64(const double *const *v,
+                                                                 int64_t k, int64_t at,
+                                                                 f64x4 *acc)
 {
-    const int64_t pairs = GRAM_PAIRS(k);
-    f64x4 acc[pairs];
-    double sums[pairs];
-    for (int64_t s = 0; s < nseg; s++) {
-        const int64_t start = segs[3 * s], n = segs[3 * s + 1];
-        for (int64_t p = 0; p < pairs; p++) {
-            acc[p] = (f64x4){0};
-            sums[p] = 0.0;
-        }
-        int64_t i = 0;
-        for (; i + F32_BLOCK <= n; i += F32_BLOCK) {
-            if (k == 2)
-                gram_block_2(v, start + i, acc);
-            else if (k == 3)
-                gram_wide_3(v, start + i, acc);
-            else if (k == 4)
-                gram_wide_4(v, start + i, acc);
-            else
-                gram_wide_k(v, k, start + i, acc);
-        }
-        for (int64_t a = 0, p = 0; a < k; a++)
-            for (int64_t b = a; b < k; b++, p++) {
-                const float *x = v[a] + start, *y = v[b] + start;
-                for (int64_t t = i; t < n; t++)
-                    sums[p] += (double)x[t] * (double)y[t];
-                for (int j = 0; j < 4; j++)
-                    sums[p] += acc[p][j];
-            }
-        /* As hx_adasum_dots_f32: where a float32 product may have overflowed or lost digits
-         * (a tiny or huge vector), the segment is summed again with float64 products. */
-        int ok = 1;
-        const double floor = F32_SAFE_MEAN_SQUARE * (double)n;
-        for (int64_t a = 0, p = 0; a < k; a++)
-            for (int64_t b = a; b < k; b++, p++) {
-                const double m = sums[p] < 0 ? -sums[p] : sums[p];
-                ok &= m < 1e300 && (a != b || sums[p] >= floor);
-            }
-        if (k == 2 && n >= F32_BLOCK && !ok)
-            gram_exact_f32(v, k, start, n, sums);
-        double *row = gram + pairs * segs[3 * s + 2];
-        for (int64_t p = 0; p < pairs; p++)
-            row[p] += sums[p];
-    }
+    for (int64_t a = 0, p = 0; a < k; a++)
+        for (int64_t b = a; b < k; b++, p++)
+            for (int64_t j = at; j < at + F32_BLOCK; j += 4)
+                acc[p] += load4_f64(v[a] + j) * load4_f64(v[b] + j);
 }
 
-KERNEL void hx_adasum_gram_f64(const double *const *v, int64_t k, const int64_t *segs,
-                               int64_t nseg, double *gram)
-{
-    const int64_t pairs = GRAM_PAIRS(k);
-    f64x4 acc0[pairs], acc1[pairs];
-    double sums[pairs];
-    for (int64_t s = 0; s < nseg; s++) {
-        const int64_t start = segs[3 * s], n = segs[3 * s + 1];
-        for (int64_t p = 0; p < pairs; p++) {
-            acc0[p] = acc1[p] = (f64x4){0};
-            sums[p] = 0.0;
-        }
-        int64_t i = 0;
-        for (; i + F32_BLOCK <= n; i += F32_BLOCK)
-            for (int64_t a = 0, p = 0; a < k; a++)
-                for (int64_t b = a; b < k; b++, p++) {
-                    const double *x = v[a] + start, *y = v[b] + start;
-                    f64x4 s0 = acc0[p], s1 = acc1[p];
-                    for (int64_t j = i; j < i + F32_BLOCK; j += 8) {
-                        s0 += load4_f64(x + j) * load4_f64(y + j);
-                        s1 += load4_f64(x + j + 4) * load4_f64(y + j + 4);
-                    }
-                    acc0[p] = s0;
-                    acc1[p] = s1;
-                }
-        /* the 8-element steps of hx_adasum_dots_f64 go on past the blocks, then one by one */
-        for (int64_t a = 0, p = 0; a < k; a++)
-            for (int64_t b = a; b < k; b++, p++) {
-                const double *x = v[a] + start, *y = v[b] + start;
-                f64x4 s0 = acc0[p], s1 = acc1[p];
-                int64_t t = i;
-                for (; t + 8 <= n; t += 8) {
-                    s0 += load4_f64(x + t) * load4_f64(y + t);
-                    s1 += load4_f64(x + t + 4) * load4_f64(y + t + 4);
-                }
-                for (; t < n; t++)
-                    sums[p] += x[t] * y[t];
-                s0 += s1;
-                for (int j = 0; j < 4; j++)
-                    sums[p] += s0[j];
-            }
-        double *row = gram + pairs * segs[3 * s + 2];
-        for (int64_t p = 0; p < pairs; p++)
-            row[p] += sums[p];
+/* The blocks through BLOCK, then the tail element by element, then each pair's lanes, added
+ * into the layer's row. */
+#define GRAM(NAME, T, BLOCK)                                                           \
+    KERNEL void NAME(const T *const *v, int64_t k, const int64_t *segs, int64_t nseg,  \
+                     double *gram)                                                     \
+    {                                                                                  \
+        const int64_t pairs = GRAM_PAIRS(k);                                           \
+        f64x4 acc[pairs];                                                              \
+        for (int64_t s = 0; s < nseg; s++) {                                           \
+            const int64_t start = segs[3 * s], n = segs[3 * s + 1];                    \
+            const T *at[k];                                                            \
+            for (int64_t a = 0; a < k; a++)                                            \
+                at[a] = v[a] + start;                                                  \
+            for (int64_t p = 0; p < pairs; p++)                                        \
+                acc[p] = (f64x4){0};                                                   \
+            int64_t i = 0;                                                             \
+            for (; i + F32_BLOCK <= n; i += F32_BLOCK)                                 \
+                BLOCK;                                                                 \
+            double *row = gram + pairs * segs[3 * s + 2];                              \
+            for (int64_t a = 0, p = 0; a < k; a++)                                     \
+                for (int64_t b = a; b < k; b++, p++) {                                 \
+                    double sum = 0.0;                                                  \
+                    for (int64_t t = i; t < n; t++)                                    \
+                        sum += (double)at[a][t] * (double)at[b][t];                    \
+                    for (int j = 0; j < 4; j++)                                        \
+                        sum += acc[p][j];                                              \
+                    row[p] += sum;                                                     \
+                }                                                                      \
+        }                                                                              \
     }
-}
+
+GRAM(hx_adasum_gram_f32, float,
+     k == 3 ? gram_block_3(at, i, acc) : k == 4 ? gram_block_4(at, i, acc)
+            : gram_block_k(at, k, i, acc))
+GRAM(hx_adasum_gram_f64, double, gram_block_f64(at, k, i, acc))
 
 /* out = sum over j of (T)weights[layer * k + j] * v[j], added in the order j = 0, 1, ...; copy
  * (may be NULL) gets the same.  out and copy may each be one of the v (at the same offsets,

@@ -18,7 +18,8 @@ CPU tensors only (the shared-memory path's); the torch/numpy code stands in for 
 where they are not built, or for 16-bit types.  Sums run in float64 whatever the input type,
 and for three vectors or more so do the products (the later levels' coefficients come from
 differences of the entries, which float32 products would leave 1e-9 of |x|^2 off); two vectors
-give the bits of operator.partial_dots, coefficients and combine_.
+take operator.partial_dots itself, and their weights and weighted sum give the bits of
+operator.coefficients and combine_.
 """
 import ctypes
 import functools
@@ -70,6 +71,8 @@ def gram(vectors: List[torch.Tensor], piece: Piece) -> np.ndarray:
     """(layer_count, k (k + 1) / 2) float64: per layer, the dot products of the k 1-D
     ``vectors`` over the segments of ``piece``, the packed upper triangle row by row."""
     k = len(vectors)
+    if k == 2:   # the pair's [a.b, a.a, b.b], as the tree level by level computes them
+        return operator.partial_dots(vectors[0], vectors[1], piece).numpy()[:, [1, 0, 2]]
     out = np.zeros((piece.layer_count, pair_count(k)))
     if not piece.count:
         return out
