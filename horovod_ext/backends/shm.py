@@ -55,7 +55,7 @@ class SharedMemoryGroup:
     def __init__(self, local: Communicator, timeout: float):
         self.comm, self.rank, self.size, self.timeout = local, local.rank, local.size, timeout
         self._mm: Optional[mmap.mmap] = None
-        self._capacity = 0
+        self._capacity, self._header = 0, 0   # bytes per rank's slot; counters before them
         self._phase = 0          # this rank's counter: phases completed so far
         self._pool: Optional[ThreadPoolExecutor] = None   # runs the cross-node steps
         self._aborted: Optional[str] = None   # why waits end at once (a peer has failed)
@@ -89,7 +89,7 @@ class SharedMemoryGroup:
             if self.rank == 0:
                 os.unlink(name)
         self._release()
-        self._mm, self._capacity, self._phase = mm, capacity, 0
+        self._mm, self._capacity, self._header, self._phase = mm, capacity, header, 0
         words = np.frombuffer(mm, dtype=np.int64, count=header // 8)
         self._counters = words[0:self.size * _LINE // 8:_LINE // 8]
         self._pids = words[self.size * _LINE // 8::_LINE // 8]
@@ -244,9 +244,8 @@ class SharedMemoryGroup:
             raise ValueError(f"a table of {nbytes} bytes in areas of {self._table_room}")
         at = self._table_at + self._table_area * self._table_room
         self._table_area ^= 1
-        header = 2 * self.size * _LINE
         areas = [np.frombuffer(self._mm, dtype=np.float64, count=table.size,
-                               offset=header + k * self._capacity + at)
+                               offset=self._header + k * self._capacity + at)
                  for k in range(self.size)]
         areas[self.rank][:] = table.reshape(-1)
         self._arrive_and_wait("table sum")
