@@ -2,7 +2,7 @@
 
     python benchmarks/adasum.py              # the whole matrix
     python benchmarks/adasum.py --quick      # 3 sizes, np=2, shorter runs
-    python benchmarks/adasum.py --markdown FILE.json   # an earlier report's "as called" table
+    python benchmarks/adasum.py --markdown RUN.json ...   # earlier reports' tables, run by run
 
 Both ops reduce the same float32 values in place (hvd.allreduce_, the buffer refilled before
 each call).  They are timed in blocks of back-to-back calls that start together after a barrier
@@ -92,20 +92,6 @@ def _as_called(hvd, ops, buf, gradient, blocks, calls=15):
     return out
 
 
-def called_markdown(report) -> str:
-    """The "as called" table of a report: per transport, np and size, each op's block medians
-    and the ratio of their medians."""
-    lines = ["| transport | size | Sum us (blocks) | Adasum us (blocks) | Adasum / Sum |",
-             "| --- | ---: | --- | --- | ---: |"]
-    for run in report["runs"]:
-        for r in run["rows"]:
-            blocks = {op: ", ".join(f"{t:.1f}" for t in r[f"{op}_called_us_blocks"])
-                      for op in ("sum", "adasum")}
-            lines.append(f"| {run['transport']} np={run['np']} | {_spawn.human(r['size'])} | "
-                         f"{blocks['sum']} | {blocks['adasum']} | {r['called_ratio']:.2f} |")
-    return "\n".join(lines)
-
-
 def _us(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
@@ -134,8 +120,8 @@ def runs_markdown(reports) -> str:
 def main():
     p = _spawn.parser(__doc__, "adasum.json", SIZES)
     p.add_argument("--markdown", metavar="JSON", nargs="+",
-                   help="only print the tables of earlier reports (one: its \"as called\" "
-                        "blocks; several runs of one matrix: each run's medians and ratios)")
+                   help="only print the tables of earlier reports of one matrix (each "
+                        "run's medians and ratios)")
     p.add_argument("--nps", default="2,4")
     p.add_argument("--backends", default="mpi,gloo")
     p.add_argument("--seconds", type=float, default=1.5, help="time budget per size")
@@ -150,7 +136,7 @@ def main():
         for path in args.markdown:
             with open(path) as f:
                 reports.append(json.load(f))
-        return print(called_markdown(reports[0]) if len(reports) == 1 else runs_markdown(reports))
+        return print(runs_markdown(reports))
     if args.quick:
         args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
     report = {"runs": []}
