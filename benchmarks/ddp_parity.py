@@ -92,6 +92,9 @@ def worker(args):
         results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.reps)]
                          for name in runners}
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
+        # the buckets the last round ran with (rank 0's plan is every rank's)
+        results[kind]["bucket_bytes"] = [b.flat.numel() * b.flat.element_size()
+                                         for b in getattr(opt._hvd.reducer, "buckets", [])]
     _spawn.finish_beside_ddp(hvd, results, args.result)
 
 
@@ -100,17 +103,26 @@ def _cell(values, scale=1e3, fmt=".1f"):
     return text + f" ({format(min(values) * scale, fmt)}-{format(max(values) * scale, fmt)})"
 
 
+def _buckets(row) -> str:
+    """How many gradient buckets, and the largest in KiB."""
+    sizes = row["bucket_bytes"]
+    return f"{len(sizes)}, up to {max(sizes) / 1024:.0f} KiB" if sizes else "none"
+
+
 def markdown(report) -> str:
-    """One table per setting: each model and variant's step times and their ratio per round."""
+    """One table per setting: each model and variant's step times and their ratio per round,
+    and the buckets of the last round (reports that kept them)."""
     out = []
     for setting, variants in report["settings"].items():
+        rows = [(v, kind, row) for v, models in variants.items() for kind, row in models.items()]
+        kept = all("bucket_bytes" in row for _, _, row in rows)
         out += [f"**{setting}** (step ms, median (min-max) of {report['reps']} rounds)", "",
-                "| model | variant | ddp ms | hvd ms | hvd / ddp |", "|---|---|---|---|---|"]
-        for variant, models in variants.items():
-            for kind, row in models.items():
-                ratios = [h / d for h, d in zip(row["hvd"], row["ddp"])]
-                out.append(f"| {kind} | {variant} | {_cell(row['ddp'])} | {_cell(row['hvd'])} | "
-                           f"{_cell(ratios, 1.0, '.3f')} |")
+                "| model | variant | ddp ms | hvd ms | hvd / ddp |" + (" buckets |" if kept else ""),
+                "|---|---|---|---|---|" + ("---|" if kept else "")]
+        for variant, kind, row in rows:
+            ratios = [h / d for h, d in zip(row["hvd"], row["ddp"])]
+            out.append(f"| {kind} | {variant} | {_cell(row['ddp'])} | {_cell(row['hvd'])} | "
+                       f"{_cell(ratios, 1.0, '.3f')} |" + (f" {_buckets(row)} |" if kept else ""))
         out.append("")
     return "\n".join(out)
 
@@ -130,7 +142,9 @@ def _variant(spec: str) -> str:
 
 
 def run(args, setting, variant):
-    env = {"BENCH_DDP_PORT": str(_spawn.free_port()), **VARIANT_ENV[variant]}
+    # debug: a rank that fails prints every thread's stack, so a stuck one shows where
+    env = {"BENCH_DDP_PORT": str(_spawn.free_port()), "HOROVOD_LOG_LEVEL": "debug",
+           **VARIANT_ENV[variant]}
     argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
             "--batch", str(args.batch), "--steps", str(args.steps), "--timed", str(args.timed),
             "--reps", str(args.reps)]

@@ -334,6 +334,25 @@ class TestOneRank:
     def test_grad_scaler(self):
         assert body_amp() == []
 
+    def test_gradient_arrivals_are_timed_on_the_gpu(self):
+        """The buckets' arrival clock times kernels when they run, not when they are queued:
+        matrix products queued between two stamps take the GPU's time between them."""
+        from horovod_ext.torch.bucket_timing import ArrivalClock
+        device = torch.device("cuda", torch.cuda.current_device())
+        clock = ArrivalClock([torch.zeros(1, device=device)])
+        a = torch.randn(4096, 4096, device=device)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        first = clock.stamp()
+        for _ in range(30):
+            a = a @ a
+            a = a / a.norm()
+        last = clock.stamp()
+        torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        seconds = clock.seconds([first, last])
+        assert seconds[0] == 0 and 0.5 * took < seconds[1] <= took, (seconds, took)
+
 
 # --- the tests: two real ranks --------------------------------------------------------------
 def _two_ranks(body, env, *args):

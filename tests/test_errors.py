@@ -260,11 +260,17 @@ def test_bad_environment_values_are_named():
         Config.from_env({"HOROVOD_GRADIENT_BUCKET_BYTES": "-5"})
     with pytest.raises(ConfigError, match="HOROVOD_DEADLOCK_TIME_SECONDS"):
         Config.from_env({"HOROVOD_DEADLOCK_TIME_SECONDS": "soon"})
+    with pytest.raises(ConfigError, match="HOROVOD_LOG_LEVEL='loud'"):
+        Config.from_env({"HOROVOD_LOG_LEVEL": "loud"})
+    with pytest.raises(ConfigError, match="HOROVOD_GRADIENT_BUCKET_PLAN='fast'"):
+        Config.from_env({"HOROVOD_GRADIENT_BUCKET_PLAN": "fast"})
     c = Config.from_env({"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "2.5",
                          "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
-                         "HOROVOD_GRADIENT_BUCKET_BYTES": "4096"})
+                         "HOROVOD_GRADIENT_BUCKET_BYTES": "4096", "HOROVOD_LOG_LEVEL": "Debug",
+                         "HOROVOD_GRADIENT_BUCKET_PLAN": "size"})
     assert (c.fusion_threshold, c.cycle_time_ms, c.hierarchical_allreduce,
-            c.gradient_bucket_bytes) == (0, 2.5, True, 4096)
+            c.gradient_bucket_bytes, c.log_level, c.gradient_bucket_plan) == \
+        (0, 2.5, True, 4096, "debug", "size")
 
 
 def body_bad_arguments():

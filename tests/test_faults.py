@@ -71,6 +71,36 @@ def test_op_failing_on_two_of_four_ranks_fails_every_rank_at_once(shared_memory)
         assert after == [4.0, 4.0], after
 
 
+def body_stacks_on_failure(tmp):
+    """Rank 1's op raises while rank 0 waits in the collective; every rank's stderr (fd 2) goes
+    to a file, whose text is returned."""
+    path = os.path.join(tmp, f"stderr.{os.environ['HOROVOD_RANK']}")
+    with open(path, "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        body_op_raises_on_some_ranks((1,))
+    finally:
+        with open(path) as f:
+            return f.read()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_at_debug_level_shows_where_every_thread_was(tmp_path):
+    """HOROVOD_LOG_LEVEL=debug: when the engine stops, every thread's stack goes to stderr, so
+    a rank stuck in a transfer when a peer's failure notice arrives shows where (rank 0 here,
+    its engine thread in the collective that rank 1 left)."""
+    env = {"HOROVOD_LOG_LEVEL": "debug", "HOROVOD_SHARED_MEMORY": "0"}
+    texts = run_ranks(body_stacks_on_failure, 2, "gloo", env=env, args=(str(tmp_path),),
+                      timeout=100)
+    for text in texts:
+        assert "injected failure on rank 1" in text, text
+        assert "Thread 0x" in text and "Current thread" in text, text
+    assert "engine.py" in texts[0] and "_run" in texts[0], texts[0]
+    plain = run_ranks(body_stacks_on_failure, 2, "gloo", env={"HOROVOD_SHARED_MEMORY": "0"},
+                      args=(str(tmp_path),), timeout=100)
+    assert all("injected failure" in t and "Thread 0x" not in t for t in plain), plain
+
+
 def body_refused_on_every_rank(whole_job):
     """Every rank's op refuses the request alike before moving any data (as the shared-GPU
     check does): what that request and the next one on CPU tensors give."""

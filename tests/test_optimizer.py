@@ -497,7 +497,7 @@ def body_buckets_follow_arrival_order():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     buckets, close = [], []
-    for step in range(3):
+    for step in range(4):
         inputs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(2)]
         own = []
@@ -514,7 +514,10 @@ def body_buckets_follow_arrival_order():
         buckets.append([[names[id(p)] for p in b.params] for b in opt._hvd.reducer.buckets])
         with opt.skip_synchronize():
             opt.step()
-    return buckets, close
+    layout = opt._hvd.layout
+    order = [names[id(layout.params[i])] for i in layout.arrival_order]
+    sizes = [layout.params[i].numel() * 4 for i in layout.arrival_order]
+    return buckets, close, (order, sizes, layout.arrival_times, layout.link_cost)
 
 
 @pytest.mark.timeout(120)
@@ -522,13 +525,34 @@ def test_buckets_follow_the_order_gradients_arrive_in():
     """After the first step the buckets are planned in the order backward produced the
     gradients (rank 0's, the same on every rank), as DDP rebuilds its buckets: the head's
     bucket, whose gradients come first, becomes bucket 0; every step's average stays exact."""
-    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600"}   # the body's gradients fill one
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600",   # the body's gradients fill one
+           "HOROVOD_GRADIENT_BUCKET_PLAN": "size"}
     results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
     assert results[0] == results[1]
-    buckets, close = results[0]
-    assert close == [True, True, True]
+    buckets, close, (_, _, times, cost) = results[0]
+    assert close == [True] * 4
+    assert times is None and cost is None                   # nothing timed
     head = {"head.weight", "head.bias"}
     assert buckets[0][0] == ["body.bias", "body.weight"]   # registration order, reversed
     assert not head & set(buckets[0][0])
     assert head <= set(buckets[1][0])                       # arrival order: the head's first
-    assert buckets[2] == buckets[1]
+    assert buckets[3] == buckets[2] == buckets[1]
+
+
+@pytest.mark.timeout(120)
+def test_buckets_cut_from_measured_times():
+    """The default plan: after the second step the buckets are cut from rank 0's arrival
+    times and probed link cost (the same on every rank), as bucket_timing.cut cuts them from
+    those numbers; the cap still holds and every step's average stays exact."""
+    from horovod_ext.torch import bucket_timing
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600"}
+    results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
+    assert results[0] == results[1]
+    buckets, close, (order, sizes, times, cost) = results[0]
+    assert close == [True] * 4
+    assert len(times) == len(order) == 4 and times[0] == 0 and times == sorted(times)
+    assert cost.alpha > 0                                   # a real reduction takes time
+    want = bucket_timing.cut(times, sizes, ["f32"] * 4, cost, 600)
+    assert buckets[2] == buckets[3] == [[order[i] for i in g] for g in want]
+    assert all(len(b) == 1 or sum(sizes[order.index(n)] for n in b) <= 600
+               for b in buckets[2])

@@ -10,7 +10,9 @@ backward hooks) start a cycle one cycle time after the first of them arrives: la
 of the same backward pass join it, and the reductions overlap the rest of the backward pass.
 Idle ranks cycle every ``IDLE_CYCLE_S`` to serve their peers.
 """
+import faulthandler
 import logging
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -394,6 +396,10 @@ class Engine:
             leftovers += [r for r in self._running if not r.handle.done()]
             self._local, self._new, self._running = {}, [], []
         log.error("%s", error)
+        if log.isEnabledFor(logging.DEBUG):
+            # where every thread of this rank is: a rank whose engine thread is stuck in a
+            # transfer shows it here when a peer's failure notice arrives
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if tell_peers:
             self.report_failure(f"rank {self.rank} failed: {exc}")
         for r in leftovers:

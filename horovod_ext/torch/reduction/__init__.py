@@ -9,15 +9,16 @@ import torch
 
 from horovod_ext.config import Config
 from horovod_ext.engine import runtime
-from .. import buckets as _buckets
+from .. import bucket_timing, buckets as _buckets
 from .base import GradientReducer, Reducer
 from .gradients import BucketReducer, GroupReducer, PerTensorReducer
 from .local import AloneReducer, DeltaReducer, OutsideSetReducer
+from .requests import reduce_now
 from .state import Layout, OptimizerState, Plan, Progress, Settings
 
 __all__ = ["AloneReducer", "BucketReducer", "DeltaReducer", "GradientReducer", "GroupReducer",
            "Layout", "OptimizerState", "OutsideSetReducer", "PerTensorReducer", "Plan",
-           "Progress", "Reducer", "Settings", "bucket_cap", "first_bucket_cap", "is_alone",
+           "Progress", "Reducer", "Settings", "bucket_cap", "bucket_plan", "first_bucket_cap", "is_alone",
            "new_state", "replan"]
 
 
@@ -25,6 +26,12 @@ def bucket_cap() -> int:
     """The configured gradient bucket size in bytes (0: no buckets)."""
     config = runtime.state.config or Config.from_env()
     return min(config.fusion_threshold, config.gradient_bucket_bytes)
+
+
+def bucket_plan() -> str:
+    """How gradient buckets are cut: "timed" (from measured arrival times and link cost) or
+    "size" (the caps alone)."""
+    return (runtime.state.config or Config.from_env()).gradient_bucket_plan
 
 
 def first_bucket_cap() -> int:
@@ -82,33 +89,84 @@ def _plan_buckets(state: OptimizerState, cap: int) -> List[_buckets.Bucket]:
     elementwise op (per-layer ops such as Adasum or 1-bit need tensor boundaries), no explicit
     ``groups``, fusion on, dense strided parameters; sparse ones left the buckets for good."""
     settings, layout = state.settings, state.layout
+    if settings.explicit_groups or not settings.op.elementwise or cap == 0:
+        return []
+    if layout.timing_generation == state.progress.generation and layout.arrival_times:
+        return _timed_buckets(layout, cap)
     ordered = layout.params if layout.arrival_order is None else \
         [layout.params[i] for i in reversed(layout.arrival_order)]   # planned from the end
     params = [p for p in ordered if id(p) not in layout.sparse]
-    if (settings.explicit_groups or not settings.op.elementwise or cap == 0 or not params
-            or not _buckets.eligible(params)):
+    if not params or not _buckets.eligible(params):
         return []
     return _buckets.plan(params, cap, first_bucket_cap())
 
 
+def _timed_buckets(layout: Layout, cap: int) -> List[_buckets.Bucket]:
+    """Buckets cut from the measured arrival times and link cost (bucket_timing.cut)."""
+    arrived = [(layout.params[i], t) for i, t in zip(layout.arrival_order, layout.arrival_times)
+               if id(layout.params[i]) not in layout.sparse]
+    params = [p for p, _ in arrived]
+    if not params or not _buckets.eligible(params):
+        return []
+    groups = bucket_timing.cut([t for _, t in arrived],
+                               [p.numel() * p.element_size() for p in params],
+                               [(p.dtype, p.device) for p in params], layout.link_cost, cap)
+    return [_buckets.Bucket(k, [params[i] for i in g]) for k, g in enumerate(groups)]
+
+
 def follow_arrival_order(state: OptimizerState, broadcast) -> None:
-    """After the first step, plan the gradient buckets in the order backward produced the
-    gradients, as DDP rebuilds its buckets: the order of parameter registration can differ
-    (a pre-LN transformer layer registers its first norm after its linear layers, and
-    backward reaches it last), and a bucket waits for its last gradient.  ``broadcast``
-    hands every rank rank 0's order, so that all plan alike.  Collective over the optimizer's
-    process set: at the first step of each generation of the world (hvd.init, an elastic
-    reset), which every rank of that generation, old or new, takes at the same point."""
+    """Plan the gradient buckets from what backward did, as DDP rebuilds its buckets.  After
+    the first step, in the order backward produced the gradients: the order of parameter
+    registration can differ (a pre-LN transformer layer registers its first norm after its
+    linear layers, and backward reaches it last), and a bucket waits for its last gradient.
+    After the second (HOROVOD_GRADIENT_BUCKET_PLAN=timed), cut from when each gradient arrived
+    and what a reduction costs (``probe_link``, a collective).
+    ``broadcast`` hands every rank rank 0's measurements, so that all plan alike.  Collective
+    over the optimizer's process set: at the first and second step of each generation of the
+    world (hvd.init, an elastic reset), which every rank of that generation takes alike."""
     reducer, layout = state.plan.reducer, state.layout
-    if layout.arrival_generation == state.progress.generation or \
-            not isinstance(reducer, BucketReducer):
+    generation = state.progress.generation
+    if not isinstance(reducer, BucketReducer):
         return
-    before = layout.arrival_order or list(reversed(range(len(layout.params))))
-    layout.arrival_order = broadcast(reducer.observed_order())
-    layout.arrival_generation = state.progress.generation
-    if layout.arrival_order != before:
-        replan(state)
-        for bucket in getattr(state.plan.reducer, "buckets", []):   # the step's gradients move in
-            for p in bucket.params:
-                if p.grad is not None:
-                    bucket.adopt(p, True, layout.names[id(p)])
+    if layout.arrival_generation != generation:
+        before = layout.arrival_order or list(reversed(range(len(layout.params))))
+        layout.arrival_order = broadcast(reducer.observed_order())
+        layout.arrival_generation = generation
+        if bucket_plan() != "timed":
+            layout.timing_generation = generation     # nothing more to learn
+        reducer.arrived.clear()                       # the next step's times are measured
+        if layout.arrival_order != before:
+            _replan_keeping_gradients(state)
+        return
+    if layout.timing_generation == generation:
+        return
+    cost = probe_link(state)
+    layout.arrival_order, layout.arrival_times, layout.link_cost = broadcast(
+        (reducer.observed_order(), reducer.observed_times(), cost))
+    layout.timing_generation = generation
+    _replan_keeping_gradients(state)
+
+
+def probe_link(state: OptimizerState) -> bucket_timing.LinkCost:
+    """What a bucket's reduction costs, timed on buffers of the first bucket's kind; collective
+    over the optimizer's process set."""
+    buckets = state.plan.reducer.buckets
+    first = buckets[0].flat if buckets else state.layout.params[0]
+    buffers: Dict[int, torch.Tensor] = {}
+
+    def reduce(nbytes: int, name: str) -> None:
+        if nbytes not in buffers:
+            buffers[nbytes] = torch.zeros(max(1, nbytes // first.element_size()),
+                                          dtype=first.dtype, device=first.device)
+        reduce_now(state.settings, buffers[nbytes], name)
+
+    return bucket_timing.measure_link(reduce, state.layout.step_bytes)
+
+
+def _replan_keeping_gradients(state: OptimizerState) -> None:
+    """A new plan, into whose buckets the step's reduced gradients move."""
+    replan(state)
+    for bucket in getattr(state.plan.reducer, "buckets", []):
+        for p in bucket.params:
+            if p.grad is not None:
+                bucket.adopt(p, True, state.layout.names[id(p)])

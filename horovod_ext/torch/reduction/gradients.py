@@ -6,7 +6,7 @@ from typing import Dict, Hashable, List, Set
 
 import torch
 
-from .. import buckets as _buckets
+from .. import bucket_timing, buckets as _buckets
 from .base import GradientReducer
 from .requests import drain, reduce_bucket, reduce_gradients
 from .state import OptimizerState
@@ -116,9 +116,10 @@ class BucketReducer(GroupReducer):
         super().__init__(state)
         self.buckets = buckets
         self.bucket_of = {id(p): b for b in buckets for p in b.params}
-        # ids, in the order backward produced them, until the order is learnt (an ordered set:
-        # bounded however many steps pass before step() learns it)
-        self.arrived: Dict[int, None] = {}
+        # id -> when its gradient came (the clock's stamp), in the order backward produced
+        # them, until the order and times are learnt (bounded however many steps pass before)
+        self.arrived: Dict[int, object] = {}
+        self.clock = bucket_timing.ArrivalClock(self.layout.params)
 
     def observed_order(self) -> List[int]:
         """Indices into the layout's parameters in the order their gradients arrived, those
@@ -128,9 +129,18 @@ class BucketReducer(GroupReducer):
         came = set(order)
         return order + [i for i in reversed(range(len(self.layout.params))) if i not in came]
 
+    def observed_times(self) -> List[float]:
+        """Seconds after the first gradient at which each gradient of ``observed_order`` came;
+        those that never came, at the last one's time."""
+        index = {id(p) for p in self.layout.params}
+        times = self.clock.seconds([t for i, t in self.arrived.items() if i in index])
+        last = times[-1] if times else 0.0
+        return times + [last] * (len(self.layout.params) - len(times))
+
     def route(self, p: torch.Tensor) -> None:
-        if self.layout.arrival_generation != self.progress.generation:
-            self.arrived.setdefault(id(p))
+        if self.layout.timing_generation != self.progress.generation \
+                and id(p) not in self.arrived:
+            self.arrived[id(p)] = self.clock.stamp()
         if p.grad is not None and p.grad.is_sparse and id(p) in self.bucket_of:
             self.leave(p)
         bucket = self.bucket_of.get(id(p))

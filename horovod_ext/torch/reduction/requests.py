@@ -76,6 +76,11 @@ def reduce_bucket(settings: Settings, bucket: Bucket) -> DenseReduction:
                       f"DistributedOptimizer.bucket.{bucket.index}", False, [])
 
 
+def reduce_now(settings: Settings, flat: torch.Tensor, name: str) -> None:
+    """Reduce ``flat`` in place as a bucket is reduced, and wait (bucket_timing's probe)."""
+    _allreduce(settings, [], [flat], name, False, []).finish(settings.compression)
+
+
 def _allreduce(settings: Settings, params, targets, name: str, grouped: bool,
                resparse) -> DenseReduction:
     compressed = [settings.compression.compress(t) for t in targets]

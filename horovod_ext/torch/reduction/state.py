@@ -55,6 +55,12 @@ class Layout:
     # until then
     arrival_order: Optional[List[int]] = None
     arrival_generation: int = -1
+    # when each gradient of arrival_order arrived (seconds after the first), and what a
+    # reduction costs (bucket_timing.LinkCost), rank 0's, measured at the second step of each
+    # generation: the buckets are cut from them (HOROVOD_GRADIENT_BUCKET_PLAN=timed)
+    arrival_times: Optional[List[float]] = None
+    link_cost: Optional[object] = None
+    timing_generation: int = -1
 
     @classmethod
     def build(cls, params: List[torch.Tensor], names: Dict[int, str], groups) -> "Layout":
