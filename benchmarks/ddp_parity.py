@@ -70,6 +70,7 @@ def worker(args):
     import torch.distributed as dist
 
     hvd = _spawn.start_beside_ddp()
+    from horovod_ext.engine import runtime
     size = hvd.size()
     results = {}
     for kind in args.models:
@@ -80,18 +81,25 @@ def worker(args):
                                        named_parameters=ours.named_parameters(), op=hvd.Average)
         runners = {"ddp": (ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4)), "hvd": (ours, opt)}
         medians = {name: [] for name in runners}
+        stats = runtime.engine().stats
+        cycles = []   # the engine's negotiation rounds per step, each round of ours
         for rep in range(args.reps):
             order = list(runners) if rep % 2 == 0 else list(reversed(list(runners)))
             for name in order:
                 dist.barrier()
+                before = stats["cycles"]
                 times = step_times(*runners[name], loss, args.steps)
                 medians[name].append(statistics.median(times[-args.timed:]))
+                if name == "hvd":
+                    cycles.append((stats["cycles"] - before) / args.steps)
         every = [None] * size
         dist.all_gather_object(every, medians)
         # the slowest rank sets the pace
         results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.reps)]
                          for name in runners}
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
+        results[kind]["cycles_per_step"] = cycles
+        results[kind]["hierarchical"] = bool(runtime.engine().comms.hierarchical_allreduce)
         # the buckets the last round ran with (rank 0's plan is every rank's)
         results[kind]["bucket_bytes"] = [b.flat.numel() * b.flat.element_size()
                                          for b in getattr(opt._hvd.reducer, "buckets", [])]
@@ -106,7 +114,8 @@ def _cell(values, scale=1e3, fmt=".1f"):
 def _buckets(row) -> str:
     """How many gradient buckets, and the largest in KiB."""
     sizes = row["bucket_bytes"]
-    return f"{len(sizes)}, up to {max(sizes) / 1024:.0f} KiB" if sizes else "none"
+    way = ", hierarchical" if row.get("hierarchical") else ""
+    return (f"{len(sizes)}, up to {max(sizes) / 1024:.0f} KiB" if sizes else "none") + way
 
 
 def markdown(report) -> str:
@@ -117,7 +126,8 @@ def markdown(report) -> str:
         rows = [(v, kind, row) for v, models in variants.items() for kind, row in models.items()]
         kept = all("bucket_bytes" in row for _, _, row in rows)
         out += [f"**{setting}** (step ms, median (min-max) of {report['reps']} rounds)", "",
-                "| model | variant | ddp ms | hvd ms | hvd / ddp |" + (" buckets |" if kept else ""),
+                "| model | variant | ddp ms | hvd ms | hvd / ddp |"
+                + (" buckets |" if kept else ""),
                 "|---|---|---|---|---|" + ("---|" if kept else "")]
         for variant, kind, row in rows:
             ratios = [h / d for h, d in zip(row["hvd"], row["ddp"])]

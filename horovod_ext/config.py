@@ -67,6 +67,7 @@ class Config:
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
+    hierarchical_allreduce_auto: bool = True     # unset: DistributedOptimizer measures both ways
     hierarchical_allgather: bool = False
     cpu_operations: Optional[str] = None         # "mpi" | "gloo" | None (auto)
     gpu_operations: Optional[str] = None         # "nccl" | "mpi" | None (auto)
@@ -117,6 +118,8 @@ class Config:
                                "a non-negative number of milliseconds"),
             cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,
                                 non_negative, "a non-negative integer"),
+            hierarchical_allreduce_auto=not (env.get("HOROVOD_HIERARCHICAL_ALLREDUCE")
+                                             or "").strip(),
             hierarchical_allreduce=_get(env, "HOROVOD_HIERARCHICAL_ALLREDUCE", False, _bool,
                                         expect="0 or 1"),
             hierarchical_allgather=_get(env, "HOROVOD_HIERARCHICAL_ALLGATHER", False, _bool,

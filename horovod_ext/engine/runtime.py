@@ -162,7 +162,7 @@ def init(comm=None):
             state.autotuner = autotune.Autotuner(config, autotune.Setting.of(config, comms),
                                                  topology.hierarchy_applies, world.rank)
         context.set_context(context.CommContext(topology, config.hierarchical_allreduce,
-                                                _execute_custom, _submit_custom))
+                                                execute_custom, _submit_custom))
         if not state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             state.atexit_registered = True
@@ -210,7 +210,7 @@ def autotune_step(nbytes: int):
         autotune.apply(setting, world_engine, state)
         return setting, frozen
 
-    setting, frozen = _execute_custom(f"autotune.sample.{tuner.samples}", exchange)
+    setting, frozen = execute_custom(f"autotune.sample.{tuner.samples}", exchange)
     tuner.begin_sample(setting, frozen)
 
 
@@ -284,7 +284,7 @@ def add_process_set(ranks: List[int]) -> int:
         state.sets[set_id] = set_runtime
         return set_id
 
-    outcome = _execute_custom(f"__process_set_add__.{state.next_set_id}", register)
+    outcome = execute_custom(f"__process_set_add__.{state.next_set_id}", register)
     if isinstance(outcome, str):
         raise ValueError(outcome)
     return outcome
@@ -306,7 +306,7 @@ def remove_process_set(set_id: int) -> bool:
             logging.getLogger("horovod_ext").error("%s", "; ".join(errors))
         return True
 
-    outcome = _execute_custom(f"__process_set_remove__.{set_id}", remove)
+    outcome = execute_custom(f"__process_set_remove__.{set_id}", remove)
     if isinstance(outcome, str):
         raise ValueError(outcome)
     return outcome
@@ -314,7 +314,7 @@ def remove_process_set(set_id: int) -> bool:
 
 def allgather_object(obj, name: str) -> list:
     """Every world rank's ``obj``, in rank order, as a negotiated request named ``name``."""
-    return _execute_custom(name, lambda topology: topology.world.allgather_object(obj))
+    return execute_custom(name, lambda topology: topology.world.allgather_object(obj))
 
 
 def process_set_ranks(set_id: int) -> Optional[List[int]]:
@@ -350,7 +350,7 @@ def _member_runtime(set_id: int) -> _SetRuntime:
     return set_runtime
 
 
-def _execute_custom(name, fn):
+def execute_custom(name, fn):
     """Run ``fn(topology)`` as the engine's request ``name`` on every rank; its result."""
     request = Request(name, "custom", [], fn=fn)
     return engine().submit(request, wake=False).wait()[0]

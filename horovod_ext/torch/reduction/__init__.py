@@ -8,7 +8,7 @@ from typing import Dict, List
 import torch
 
 from horovod_ext.config import Config
-from horovod_ext.engine import runtime
+from horovod_ext.engine import hierarchy_choice, runtime
 from .. import bucket_timing, buckets as _buckets
 from .base import GradientReducer, Reducer
 from .gradients import BucketReducer, GroupReducer, PerTensorReducer
@@ -18,7 +18,8 @@ from .state import Layout, OptimizerState, Plan, Progress, Settings
 
 __all__ = ["AloneReducer", "BucketReducer", "DeltaReducer", "GradientReducer", "GroupReducer",
            "Layout", "OptimizerState", "OutsideSetReducer", "PerTensorReducer", "Plan",
-           "Progress", "Reducer", "Settings", "bucket_cap", "bucket_plan", "first_bucket_cap", "is_alone",
+           "Progress", "Reducer", "Settings", "bucket_cap", "bucket_plan",
+           "first_bucket_cap", "is_alone",
            "new_state", "replan"]
 
 
@@ -120,7 +121,8 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
     registration can differ (a pre-LN transformer layer registers its first norm after its
     linear layers, and backward reaches it last), and a bucket waits for its last gradient.
     After the second (HOROVOD_GRADIENT_BUCKET_PLAN=timed), cut from when each gradient arrived
-    and what a reduction costs (``probe_link``, a collective).
+    and what a reduction costs (``probe_link``, a collective), the world's allreduces made
+    hierarchical first where that was timed as faster (hierarchy_choice).
     ``broadcast`` hands every rank rank 0's measurements, so that all plan alike.  Collective
     over the optimizer's process set: at the first and second step of each generation of the
     world (hvd.init, an elastic reset), which every rank of that generation takes alike."""
@@ -140,15 +142,23 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
         return
     if layout.timing_generation == generation:
         return
-    cost = probe_link(state)
-    layout.arrival_order, layout.arrival_times, layout.link_cost = broadcast(
-        (reducer.observed_order(), reducer.observed_times(), cost))
+    flat, hierarchical = probe_link(state)
+    layout.arrival_order, layout.arrival_times, flat, hierarchical = broadcast(
+        (reducer.observed_order(), reducer.observed_times(), flat, hierarchical))
+    layout.link_cost = flat
+    layout.both_ways = None if hierarchical is None else (flat, hierarchical)
+    typical = min(layout.step_bytes, state.plan.bucket_cap)
+    if hierarchical is not None and hierarchical.seconds(typical) < flat.seconds(typical):
+        hierarchy_choice.set_hierarchical(True)
+        layout.link_cost = hierarchical
     layout.timing_generation = generation
     _replan_keeping_gradients(state)
 
 
-def probe_link(state: OptimizerState) -> bucket_timing.LinkCost:
-    """What a bucket's reduction costs, timed on buffers of the first bucket's kind; collective
+def probe_link(state: OptimizerState):
+    """What a bucket's reduction costs (bucket_timing.LinkCost), timed on buffers of the first
+    bucket's kind: the flat way, and, where the choice is open (hierarchy_choice), the
+    hierarchical way too (else None), which leaves the world's allreduces flat.  Collective
     over the optimizer's process set."""
     buckets = state.plan.reducer.buckets
     first = buckets[0].flat if buckets else state.layout.params[0]
@@ -160,7 +170,15 @@ def probe_link(state: OptimizerState) -> bucket_timing.LinkCost:
                                           dtype=first.dtype, device=first.device)
         reduce_now(state.settings, buffers[nbytes], name)
 
-    return bucket_timing.measure_link(reduce, state.layout.step_bytes)
+    step_bytes = state.layout.step_bytes
+    flat = bucket_timing.measure_link(reduce, step_bytes)
+    if state.settings.process_set.process_set_id != 0 or not hierarchy_choice.open_choice():
+        return flat, None
+    hierarchy_choice.set_hierarchical(True)
+    hierarchical = bucket_timing.measure_link(
+        lambda nbytes, name: reduce(nbytes, name + ".hierarchical"), step_bytes)
+    hierarchy_choice.set_hierarchical(False)
+    return flat, hierarchical
 
 
 def _replan_keeping_gradients(state: OptimizerState) -> None:

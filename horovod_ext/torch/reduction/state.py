@@ -60,6 +60,8 @@ class Layout:
     # generation: the buckets are cut from them (HOROVOD_GRADIENT_BUCKET_PLAN=timed)
     arrival_times: Optional[List[float]] = None
     link_cost: Optional[object] = None
+    # both ways' costs where the flat and hierarchical allreduce were timed (hierarchy_choice)
+    both_ways: Optional[tuple] = None
     timing_generation: int = -1
 
     @classmethod
