@@ -559,17 +559,17 @@ def test_buckets_cut_from_measured_times():
 
 
 def body_hierarchy_chosen_by_measurement():
-    """Three steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
+    """Sixteen steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
     whether the averaged gradients match the mean of every rank's, computed here; then the way
     the world's allreduces go and what was measured."""
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
-    close = []
-    for step in range(3):
+    close, ways = [], []
+    for step in range(16):
         inputs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(hvd.size())]
         own = []
@@ -577,39 +577,42 @@ def body_hierarchy_chosen_by_measurement():
             plain = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
                                         torch.nn.Linear(64, 4))
             plain.load_state_dict(model.state_dict())
-            plain(x).square().sum().backward()
+            plain(x).square().mean().backward()
             own.append([p.grad.clone() for p in plain.parameters()])
         opt.zero_grad()
-        model(inputs[hvd.rank()]).square().sum().backward()
+        model(inputs[hvd.rank()]).square().mean().backward()
         opt.synchronize()
         close.append(all(torch.allclose(p.grad, sum(o[i] for o in own) / len(own), atol=1e-5)
                          for i, p in enumerate(model.parameters())))
         with opt.skip_synchronize():
             opt.step()
+        ways.append(runtime.engine().comms.hierarchical_allreduce)
     layout = opt._hvd.layout
-    flag = runtime.engine().comms.hierarchical_allreduce
-    return close, flag, layout.link_cost, layout.both_ways, \
-        min(layout.step_bytes, opt._hvd.plan.bucket_cap)
+    return close, ways, layout.link_cost, layout.both_ways, layout.way_medians
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("variable", [None, "0"])
-def test_hierarchy_is_chosen_by_measurement_unless_set(variable):
-    """With HOROVOD_HIERARCHICAL_ALLREDUCE unset, the second step times the flat and the
-    hierarchical allreduce and every rank keeps the same way, the one rank 0 measured as faster
-    for a step's bytes (the link cost the buckets are cut with is that way's); set, it is kept.
-    The averages are exact either way."""
+def test_hierarchy_is_chosen_by_step_times_unless_set(variable):
+    """With HOROVOD_HIERARCHICAL_ALLREDUCE unset, the second step times both ways' reductions,
+    the next steps train 5 steps flat and then 5 hierarchical, and every rank keeps the way whose
+    median step rank 0 measured as shorter, its buckets cut with that way's link cost; set to
+    0, the world stays flat and nothing is tried.  The averages are exact every step."""
+    from horovod_ext.torch.reduction import way_trial
     env = {} if variable is None else {"HOROVOD_HIERARCHICAL_ALLREDUCE": variable}
     hosts = ["nodeA", "nodeA", "nodeB", "nodeB"]
     results = run_ranks(body_hierarchy_chosen_by_measurement, 4, "gloo", env=env,
                         hostnames=hosts, timeout=150)
-    assert len({(flag, cost, both) for _, flag, cost, both, _ in results}) == 1
-    close, flag, cost, both, typical = results[0]
-    assert close == [True] * 3
+    assert len({repr(r[1:]) for r in results}) == 1          # every rank alike
+    close, ways, cost, both, medians = results[0]
+    assert close == [True] * 16
     assert cost.alpha > 0
     if variable == "0":
-        assert flag is False and both is None
-    else:
-        flat, hierarchical = both
-        assert flag == (hierarchical.seconds(typical) < flat.seconds(typical))
-        assert cost == (hierarchical if flag else flat)
+        assert not any(ways) and both is None and medians is None
+        return
+    n = way_trial.STEPS
+    # steps 0-1 learn, steps 2 to 2 + n are timed flat (switching at the last), the next n + 1
+    # hierarchical (deciding at the last)
+    assert not any(ways[:2 + n]) and all(ways[2 + n:3 + 2 * n])
+    chosen = medians[1] < medians[0]
+    assert ways[-1] == chosen and cost == both[int(chosen)]

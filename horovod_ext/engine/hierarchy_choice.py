@@ -4,8 +4,8 @@ hosts, several ranks on each).
 Which is faster depends on the links: across real hosts the hierarchical way sends each byte
 over the network once per host instead of once per rank, but where the "hosts" share a machine
 its extra in-node steps only cost.  HOROVOD_HIERARCHICAL_ALLREDUCE decides when it is set, and
-autotune when it runs; otherwise DistributedOptimizer times both ways at its second step and
-keeps the faster (reduction.probe_link).  A switch runs as one negotiated request, so every rank
+autotune when it runs; otherwise DistributedOptimizer tries both ways for a few training steps
+and keeps the faster (torch/reduction/way_trial.py).  A switch runs as one negotiated request, so every rank
 changes way between the same two requests.
 """
 from . import runtime

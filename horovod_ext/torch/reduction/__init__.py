@@ -3,6 +3,7 @@ reducing (base.py, gradients.py, local.py) and ``replan``, which chooses the red
 op's declared attributes, the world and the bucket size.  The optimizer calls ``replan`` when
 it is built and again where the choice may change: after a re-initialisation that makes the
 world one process or more, and when autotune changes the bucket size."""
+import time
 from typing import Dict, List
 
 import torch
@@ -14,6 +15,7 @@ from .base import GradientReducer, Reducer
 from .gradients import BucketReducer, GroupReducer, PerTensorReducer
 from .local import AloneReducer, DeltaReducer, OutsideSetReducer
 from .requests import reduce_now
+from . import way_trial
 from .state import Layout, OptimizerState, Plan, Progress, Settings
 
 __all__ = ["AloneReducer", "BucketReducer", "DeltaReducer", "GradientReducer", "GroupReducer",
@@ -121,11 +123,12 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
     registration can differ (a pre-LN transformer layer registers its first norm after its
     linear layers, and backward reaches it last), and a bucket waits for its last gradient.
     After the second (HOROVOD_GRADIENT_BUCKET_PLAN=timed), cut from when each gradient arrived
-    and what a reduction costs (``probe_link``, a collective), the world's allreduces made
-    hierarchical first where that was timed as faster (hierarchy_choice).
+    and what a reduction costs (``probe_link``, a collective); where the way of the world's
+    allreduces is open (hierarchy_choice), the next steps try both (way_trial.py) and keep
+    the faster.
     ``broadcast`` hands every rank rank 0's measurements, so that all plan alike.  Collective
-    over the optimizer's process set: at the first and second step of each generation of the
-    world (hvd.init, an elastic reset), which every rank of that generation takes alike."""
+    over the optimizer's process set: at the first steps of each generation of the world
+    (hvd.init, an elastic reset), which every rank of that generation takes alike."""
     reducer, layout = state.plan.reducer, state.layout
     generation = state.progress.generation
     if not isinstance(reducer, BucketReducer):
@@ -140,18 +143,44 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
         if layout.arrival_order != before:
             _replan_keeping_gradients(state)
         return
-    if layout.timing_generation == generation:
-        return
+    if layout.timing_generation != generation:
+        _learn_timing(state, broadcast)
+    elif layout.way_trial is not None:
+        _continue_way_trial(state, broadcast)
+
+
+def _learn_timing(state: OptimizerState, broadcast) -> None:
+    """The second step: rank 0's arrival times and link costs, the buckets cut from them, and,
+    where the way is open, the trial of both ways begins (flat first)."""
+    layout = state.layout
     flat, hierarchical = probe_link(state)
     layout.arrival_order, layout.arrival_times, flat, hierarchical = broadcast(
-        (reducer.observed_order(), reducer.observed_times(), flat, hierarchical))
+        (state.plan.reducer.observed_order(), state.plan.reducer.observed_times(), flat,
+         hierarchical))
     layout.link_cost = flat
     layout.both_ways = None if hierarchical is None else (flat, hierarchical)
-    typical = min(layout.step_bytes, state.plan.bucket_cap)
-    if hierarchical is not None and hierarchical.seconds(typical) < flat.seconds(typical):
-        hierarchy_choice.set_hierarchical(True)
-        layout.link_cost = hierarchical
-    layout.timing_generation = generation
+    layout.way_trial = None if hierarchical is None else way_trial.WayTrial()
+    layout.timing_generation = state.progress.generation
+    _replan_keeping_gradients(state)
+
+
+def _continue_way_trial(state: OptimizerState, broadcast) -> None:
+    """Count a step of the trial; switch to the hierarchical way after the flat way's steps,
+    and after both keep the faster (rank 0's medians), the buckets cut for it."""
+    layout = state.layout
+    event = layout.way_trial.mark(time.perf_counter())
+    if event is None:
+        return
+    if event == "hierarchical":
+        chosen = True
+    else:
+        layout.way_medians = broadcast(layout.way_trial.medians())
+        layout.way_trial = None
+        chosen = layout.way_medians[1] < layout.way_medians[0]
+        if chosen:
+            return                     # it is the way already
+    hierarchy_choice.set_hierarchical(chosen)
+    layout.link_cost = layout.both_ways[int(chosen)]
     _replan_keeping_gradients(state)
 
 

@@ -60,8 +60,11 @@ class Layout:
     # generation: the buckets are cut from them (HOROVOD_GRADIENT_BUCKET_PLAN=timed)
     arrival_times: Optional[List[float]] = None
     link_cost: Optional[object] = None
-    # both ways' costs where the flat and hierarchical allreduce were timed (hierarchy_choice)
+    # both ways' costs where the flat and hierarchical allreduce were timed (hierarchy_choice),
+    # the trial of both ways in progress (way_trial.WayTrial), and its median step times
     both_ways: Optional[tuple] = None
+    way_trial: Optional[object] = None
+    way_medians: Optional[tuple] = None
     timing_generation: int = -1
 
     @classmethod
