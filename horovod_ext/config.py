@@ -63,7 +63,7 @@ class Config:
     fusion_max_tensor_bytes: int = 1024 * 1024  # larger requests are reduced on their own
     gradient_bucket_bytes: int = 25 * 1024 * 1024  # DistributedOptimizer buckets; 0: none
     first_bucket_bytes: int = 1024 * 1024        # backward's first gradients' bucket; 0: as others
-    gradient_bucket_plan: str = "timed"          # "timed": cut from measured times; "size"
+    gradient_bucket_plan: str = "auto"           # "auto" | "timed" (cut from measured times) | "size"
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -112,8 +112,9 @@ class Config:
                                        "a non-negative number of bytes"),
             first_bucket_bytes=_get(env, "HOROVOD_FIRST_BUCKET_BYTES", cls.first_bucket_bytes,
                                     int, non_negative, "a non-negative number of bytes"),
-            gradient_bucket_plan=_get(env, "HOROVOD_GRADIENT_BUCKET_PLAN", "timed",
-                                      _choice("timed", "size"), expect="'timed' or 'size'"),
+            gradient_bucket_plan=_get(env, "HOROVOD_GRADIENT_BUCKET_PLAN", "auto",
+                                      _choice("auto", "timed", "size"),
+                                      expect="'auto', 'timed' or 'size'"),
             cycle_time_ms=_get(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms, float, non_negative,
                                "a non-negative number of milliseconds"),
             cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,

@@ -541,11 +541,11 @@ def test_buckets_follow_the_order_gradients_arrive_in():
 
 @pytest.mark.timeout(120)
 def test_buckets_cut_from_measured_times():
-    """The default plan: after the second step the buckets are cut from rank 0's arrival
+    """HOROVOD_GRADIENT_BUCKET_PLAN=timed: after the second step the buckets are cut from rank 0's arrival
     times and probed link cost (the same on every rank), as bucket_timing.cut cuts them from
     those numbers; the cap still holds and every step's average stays exact."""
     from horovod_ext.torch import bucket_timing
-    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600"}
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600", "HOROVOD_GRADIENT_BUCKET_PLAN": "timed"}
     results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
     assert results[0] == results[1]
     buckets, close, (order, sizes, times, cost) = results[0]
@@ -558,24 +558,29 @@ def test_buckets_cut_from_measured_times():
                for b in buckets[2])
 
 
-def body_hierarchy_chosen_by_measurement():
-    """Sixteen steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
-    whether the averaged gradients match the mean of every rank's, computed here; then the way
-    the world's allreduces go and what was measured."""
+def body_plan_chosen_by_step_times():
+    """Twenty steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
+    whether the averaged gradients match the mean of every rank's, computed here, and the plan
+    after it (the buckets' cut and whether the world's allreduces are hierarchical); then the
+    link cost the buckets are cut with, both ways' costs and the trial's medians."""
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime
+
+    def mlp():
+        return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 4))
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model = mlp()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
-    close, ways = [], []
-    for step in range(16):
+    close, plans = [], []
+    for step in range(20):
         inputs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(hvd.size())]
         own = []
         for x in inputs:
-            plain = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
-                                        torch.nn.Linear(64, 4))
+            plain = mlp()
             plain.load_state_dict(model.state_dict())
             plain(x).square().mean().backward()
             own.append([p.grad.clone() for p in plain.parameters()])
@@ -586,33 +591,40 @@ def body_hierarchy_chosen_by_measurement():
                          for i, p in enumerate(model.parameters())))
         with opt.skip_synchronize():
             opt.step()
-        ways.append(runtime.engine().comms.hierarchical_allreduce)
+        plans.append((opt._hvd.layout.cut, runtime.engine().comms.hierarchical_allreduce))
     layout = opt._hvd.layout
-    return close, ways, layout.link_cost, layout.both_ways, layout.way_medians
+    return close, plans, layout.link_cost, layout.both_ways, layout.trial_medians
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("variable", [None, "0"])
-def test_hierarchy_is_chosen_by_step_times_unless_set(variable):
-    """With HOROVOD_HIERARCHICAL_ALLREDUCE unset, the second step times both ways' reductions,
-    the next steps train 5 steps flat and then 5 hierarchical, and every rank keeps the way whose
-    median step rank 0 measured as shorter, its buckets cut with that way's link cost; set to
-    0, the world stays flat and nothing is tried.  The averages are exact every step."""
-    from horovod_ext.torch.reduction import way_trial
+def test_plan_is_chosen_by_step_times(variable):
+    """The default plan "auto": after the second step (which measures arrival times and both
+    ways' reduction costs) the next steps train 5 timed steps each with the measured cut, with
+    the caps' buckets and, where HOROVOD_HIERARCHICAL_ALLREDUCE is unset, the measured cut over
+    hierarchical allreduces; every rank keeps the candidate whose median step rank 0 measured
+    as shortest, its buckets cut with that way's link cost.  The averages are exact every
+    step."""
+    from horovod_ext.torch.reduction import plan_trial
     env = {} if variable is None else {"HOROVOD_HIERARCHICAL_ALLREDUCE": variable}
     hosts = ["nodeA", "nodeA", "nodeB", "nodeB"]
-    results = run_ranks(body_hierarchy_chosen_by_measurement, 4, "gloo", env=env,
+    results = run_ranks(body_plan_chosen_by_step_times, 4, "gloo", env=env,
                         hostnames=hosts, timeout=150)
     assert len({repr(r[1:]) for r in results}) == 1          # every rank alike
-    close, ways, cost, both, medians = results[0]
-    assert close == [True] * 16
-    assert cost.alpha > 0
-    if variable == "0":
-        assert not any(ways) and both is None and medians is None
-        return
-    n = way_trial.STEPS
-    # steps 0-1 learn, steps 2 to 2 + n are timed flat (switching at the last), the next n + 1
-    # hierarchical (deciding at the last)
-    assert not any(ways[:2 + n]) and all(ways[2 + n:3 + 2 * n])
-    chosen = medians[1] < medians[0]
-    assert ways[-1] == chosen and cost == both[int(chosen)]
+    close, plans, cost, (flat, hierarchical), medians = results[0]
+    assert close == [True] * 20
+    assert flat.alpha > 0
+    tried = [("timed", False), ("size", False)]
+    if variable is None:
+        tried.append(("timed", True))
+    else:
+        assert hierarchical is None
+    n = plan_trial.STEPS
+    # steps 0-1 learn; each candidate's first mark is the step() that switched to it
+    expected = [plans[1]] * (n + 1)
+    for candidate in tried[1:]:
+        expected += [candidate] * (n + 1)
+    assert tried[0] == plans[1] and plans[1:1 + len(expected)] == expected
+    best = tried[medians.index(min(medians))]
+    assert len(medians) == len(tried) and plans[-1] == best
+    assert cost == (hierarchical if best[1] else flat)

@@ -15,7 +15,7 @@ from .base import GradientReducer, Reducer
 from .gradients import BucketReducer, GroupReducer, PerTensorReducer
 from .local import AloneReducer, DeltaReducer, OutsideSetReducer
 from .requests import reduce_now
-from . import way_trial
+from . import plan_trial
 from .state import Layout, OptimizerState, Plan, Progress, Settings
 
 __all__ = ["AloneReducer", "BucketReducer", "DeltaReducer", "GradientReducer", "GroupReducer",
@@ -32,8 +32,8 @@ def bucket_cap() -> int:
 
 
 def bucket_plan() -> str:
-    """How gradient buckets are cut: "timed" (from measured arrival times and link cost) or
-    "size" (the caps alone)."""
+    """How gradient buckets are planned: "auto" (the faster in training of "timed" and
+    "size"), "timed" (cut from measured arrival times and link cost) or "size" (the caps)."""
     return (runtime.state.config or Config.from_env()).gradient_bucket_plan
 
 
@@ -94,7 +94,8 @@ def _plan_buckets(state: OptimizerState, cap: int) -> List[_buckets.Bucket]:
     settings, layout = state.settings, state.layout
     if settings.explicit_groups or not settings.op.elementwise or cap == 0:
         return []
-    if layout.timing_generation == state.progress.generation and layout.arrival_times:
+    if (layout.timing_generation == state.progress.generation and layout.arrival_times
+            and layout.cut == "timed"):
         return _timed_buckets(layout, cap)
     ordered = layout.params if layout.arrival_order is None else \
         [layout.params[i] for i in reversed(layout.arrival_order)]   # planned from the end
@@ -123,9 +124,9 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
     registration can differ (a pre-LN transformer layer registers its first norm after its
     linear layers, and backward reaches it last), and a bucket waits for its last gradient.
     After the second (HOROVOD_GRADIENT_BUCKET_PLAN=timed), cut from when each gradient arrived
-    and what a reduction costs (``probe_link``, a collective); where the way of the world's
-    allreduces is open (hierarchy_choice), the next steps try both (way_trial.py) and keep
-    the faster.
+    and what a reduction costs (``probe_link``, a collective); then (plan "auto") the next
+    steps try that cut, the caps' buckets and, where the way of the world's allreduces is open
+    (hierarchy_choice), the hierarchical way, and keep the fastest (plan_trial.py).
     ``broadcast`` hands every rank rank 0's measurements, so that all plan alike.  Collective
     over the optimizer's process set: at the first steps of each generation of the world
     (hvd.init, an elastic reset), which every rank of that generation takes alike."""
@@ -137,7 +138,7 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
         before = layout.arrival_order or list(reversed(range(len(layout.params))))
         layout.arrival_order = broadcast(reducer.observed_order())
         layout.arrival_generation = generation
-        if bucket_plan() != "timed":
+        if bucket_plan() == "size":
             layout.timing_generation = generation     # nothing more to learn
         reducer.arrived.clear()                       # the next step's times are measured
         if layout.arrival_order != before:
@@ -145,42 +146,53 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
         return
     if layout.timing_generation != generation:
         _learn_timing(state, broadcast)
-    elif layout.way_trial is not None:
-        _continue_way_trial(state, broadcast)
+    elif layout.trial is not None:
+        _continue_trial(state, broadcast)
 
 
 def _learn_timing(state: OptimizerState, broadcast) -> None:
-    """The second step: rank 0's arrival times and link costs, the buckets cut from them, and,
-    where the way is open, the trial of both ways begins (flat first)."""
+    """The second step: rank 0's arrival times and link costs, and the buckets cut from them;
+    with the plan "auto", the trial of the candidates begins with these (plan_trial.py)."""
     layout = state.layout
     flat, hierarchical = probe_link(state)
     layout.arrival_order, layout.arrival_times, flat, hierarchical = broadcast(
         (state.plan.reducer.observed_order(), state.plan.reducer.observed_times(), flat,
          hierarchical))
-    layout.link_cost = flat
-    layout.both_ways = None if hierarchical is None else (flat, hierarchical)
-    layout.way_trial = None if hierarchical is None else way_trial.WayTrial()
+    layout.link_cost, layout.cut = flat, "timed"
+    layout.both_ways = (flat, hierarchical)
+    if bucket_plan() == "auto":
+        candidates = [plan_trial.Candidate("timed", False), plan_trial.Candidate("size", False)]
+        if hierarchical is not None:
+            candidates.append(plan_trial.Candidate("timed", True))
+        layout.trial = plan_trial.PlanTrial(candidates)
+    elif hierarchical is not None:   # "timed": only the way is tried
+        layout.trial = plan_trial.PlanTrial([plan_trial.Candidate("timed", False),
+                                             plan_trial.Candidate("timed", True)])
     layout.timing_generation = state.progress.generation
     _replan_keeping_gradients(state)
 
 
-def _continue_way_trial(state: OptimizerState, broadcast) -> None:
-    """Count a step of the trial; switch to the hierarchical way after the flat way's steps,
-    and after both keep the faster (rank 0's medians), the buckets cut for it."""
+def _continue_trial(state: OptimizerState, broadcast) -> None:
+    """Count a step of the trial; after each candidate's steps switch to the next, and after
+    the last keep the fastest (rank 0's medians)."""
     layout = state.layout
-    event = layout.way_trial.mark(time.perf_counter())
+    trial = layout.trial
+    event = trial.mark(time.perf_counter())
     if event is None:
         return
-    if event == "hierarchical":
-        chosen = True
+    if event == "decide":
+        layout.trial_medians = broadcast(trial.medians())
+        layout.trial = None
+        best = min(range(len(trial.candidates)), key=layout.trial_medians.__getitem__)
+        if best == trial.current:
+            return                     # it is the plan already
+        candidate = trial.candidates[best]
     else:
-        layout.way_medians = broadcast(layout.way_trial.medians())
-        layout.way_trial = None
-        chosen = layout.way_medians[1] < layout.way_medians[0]
-        if chosen:
-            return                     # it is the way already
-    hierarchy_choice.set_hierarchical(chosen)
-    layout.link_cost = layout.both_ways[int(chosen)]
+        candidate = trial.candidates[trial.current]
+    if candidate.hierarchical != runtime.engine().comms.hierarchical_allreduce:
+        hierarchy_choice.set_hierarchical(candidate.hierarchical)
+    layout.cut = candidate.cut
+    layout.link_cost = layout.both_ways[int(candidate.hierarchical)]
     _replan_keeping_gradients(state)
 
 

@@ -60,11 +60,13 @@ class Layout:
     # generation: the buckets are cut from them (HOROVOD_GRADIENT_BUCKET_PLAN=timed)
     arrival_times: Optional[List[float]] = None
     link_cost: Optional[object] = None
-    # both ways' costs where the flat and hierarchical allreduce were timed (hierarchy_choice),
-    # the trial of both ways in progress (way_trial.WayTrial), and its median step times
+    # the flat and the hierarchical way's cost (None where the way is not open:
+    # hierarchy_choice); which cut the buckets follow ("timed" or "size"); the trial of
+    # candidate plans in progress (plan_trial.PlanTrial), and its median step times
     both_ways: Optional[tuple] = None
-    way_trial: Optional[object] = None
-    way_medians: Optional[tuple] = None
+    cut: str = "size"
+    trial: Optional[object] = None
+    trial_medians: Optional[list] = None
     timing_generation: int = -1
 
     @classmethod
