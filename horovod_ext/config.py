@@ -63,7 +63,7 @@ class Config:
     fusion_max_tensor_bytes: int = 1024 * 1024  # larger requests are reduced on their own
     gradient_bucket_bytes: int = 25 * 1024 * 1024  # DistributedOptimizer buckets; 0: none
     first_bucket_bytes: int = 1024 * 1024        # backward's first gradients' bucket; 0: as others
-    gradient_bucket_plan: str = "auto"           # "auto" | "timed" (cut from measured times) | "size"
+    gradient_bucket_plan: str = "auto"           # "auto" | "timed" (measured cut) | "size"
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False

@@ -541,9 +541,9 @@ def test_buckets_follow_the_order_gradients_arrive_in():
 
 @pytest.mark.timeout(120)
 def test_buckets_cut_from_measured_times():
-    """HOROVOD_GRADIENT_BUCKET_PLAN=timed: after the second step the buckets are cut from rank 0's arrival
-    times and probed link cost (the same on every rank), as bucket_timing.cut cuts them from
-    those numbers; the cap still holds and every step's average stays exact."""
+    """HOROVOD_GRADIENT_BUCKET_PLAN=timed: after the second step the buckets are cut from rank
+    0's arrival times and probed link cost (the same on every rank), as bucket_timing.cut cuts
+    them from those numbers; the cap still holds and every step's average stays exact."""
     from horovod_ext.torch import bucket_timing
     env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600", "HOROVOD_GRADIENT_BUCKET_PLAN": "timed"}
     results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
