@@ -127,7 +127,7 @@ PRINTED = {  # pages whose tables a benchmark prints from their data: the page h
                      "benchmarks/head_to_head_lm_internet_10000")],
     "benchmarks/ddp_parity.md": [
         ["ddp_parity.py", "--markdown", f"docs/benchmarks/{name}.json"]
-        for name in ("ddp_parity_2x1", "ddp_parity_2x1_arrival_order", "ddp_parity_2x2")],
+        for name in ("ddp_parity",)],
     "benchmarks/adasum.md": [
         ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_run{i}.json" for i in (1, 2, 3)]],
     "benchmarks/end_to_end.md": [
