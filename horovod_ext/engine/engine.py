@@ -12,7 +12,6 @@ Idle ranks cycle every ``IDLE_CYCLE_S`` to serve their peers.
 """
 import faulthandler
 import logging
-import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -45,14 +44,12 @@ class Engine:
         self.comms = comms
         self.control = control
         self.config = config
-        self.rank = comms.world.rank
-        self.size = comms.world.size
+        self.rank, self.size = comms.world.rank, comms.world.size
         self._cond = threading.Condition()
         self._new: List[Request] = []                 # submitted, not yet announced
         self._local: Dict[str, Request] = {}           # announced, waiting to be executed
         self._waiters = Waiters()
-        self._shutdown_requested = False
-        self._stopped = False
+        self._shutdown_requested = self._stopped = False
         self._fatal: Optional[BaseException] = None
         # Replicated on every rank, updated identically from the gathered messages:
         self._negotiator = Negotiator(self.rank, self.size, config)
@@ -67,8 +64,7 @@ class Engine:
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._caller_cycle = False            # a blocked caller is running a cycle
         self._event_lock = threading.Lock()   # makes the handles' events
-        self._cycle_s = config.cycle_time_ms / 1000.0
-        self._last_end = 0.0
+        self._cycle_s, self._last_end = config.cycle_time_ms / 1000.0, 0.0
         self._round_started = 0  # perf_counter_ns at the start of the round (timeline)
         self._not_before = 0.0   # NEXT_CYCLE requests: no cycle before this (monotonic s)
         # Told of this rank's own failures, to pass on to its peers (faults.py)
@@ -396,10 +392,8 @@ class Engine:
             leftovers += [r for r in self._running if not r.handle.done()]
             self._local, self._new, self._running = {}, [], []
         log.error("%s", error)
-        if log.isEnabledFor(logging.DEBUG):
-            # where every thread of this rank is: a rank whose engine thread is stuck in a
-            # transfer shows it here when a peer's failure notice arrives
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if log.isEnabledFor(logging.DEBUG):   # a rank stuck in a transfer shows where
+            faulthandler.dump_traceback(all_threads=True)
         if tell_peers:
             self.report_failure(f"rank {self.rank} failed: {exc}")
         for r in leftovers:
