@@ -521,12 +521,15 @@ def body_buckets_follow_arrival_order():
 
 
 @pytest.mark.timeout(120)
-def test_buckets_follow_the_order_gradients_arrive_in():
+@pytest.mark.parametrize("plan", ["size", None])
+def test_buckets_follow_the_order_gradients_arrive_in(plan):
     """After the first step the buckets are planned in the order backward produced the
     gradients (rank 0's, the same on every rank), as DDP rebuilds its buckets: the head's
-    bucket, whose gradients come first, becomes bucket 0; every step's average stays exact."""
-    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600",   # the body's gradients fill one
-           "HOROVOD_GRADIENT_BUCKET_PLAN": "size"}
+    bucket, whose gradients come first, becomes bucket 0; every step's average stays exact.
+    On one host the default plan ("auto") keeps these size buckets: nothing is timed."""
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600"}   # the body's gradients fill one
+    if plan is not None:
+        env["HOROVOD_GRADIENT_BUCKET_PLAN"] = plan
     results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
     assert results[0] == results[1]
     buckets, close, (_, _, times, cost) = results[0]
