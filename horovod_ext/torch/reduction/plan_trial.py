@@ -2,12 +2,11 @@
 
 A cost model cannot see everything a plan costs: on ranks that share cores, each extra bucket's
 request takes processor time from backward, and the hierarchical way's in-node steps wait for the
-slowest local rank's backward.  So, with HOROVOD_GRADIENT_BUCKET_PLAN=auto (the default), across
-hosts, DistributedOptimizer trains ``STEPS`` timed steps with each candidate: the buckets cut from the
-measured times, the buckets by size alone, and, where the way of the world's allreduces is open
-(engine.hierarchy_choice), the measured cut with the allreduces hierarchical; the candidate
-whose median step took least on rank 0 stays.
-"""
+slowest local rank's backward. So, with HOROVOD_GRADIENT_BUCKET_PLAN=auto (the default), across
+hosts, DistributedOptimizer trains ``STEPS`` timed steps with each candidate: the buckets cut from
+the measured times, the buckets by size alone, and, where the way of the world's allreduces is open
+(engine.hierarchy_choice), the measured cut with the allreduces hierarchical; the candidate whose
+median step took least on rank 0 stays."""
 import statistics
 from typing import List, NamedTuple, Optional
 
