@@ -88,11 +88,19 @@ def measure_link(allreduce: Callable[[int, str], None], step_bytes: int) -> Link
 def finish_time(groups: Sequence[Sequence[int]], arrivals: Sequence[float],
                 nbytes: Sequence[int], cost: LinkCost) -> float:
     """When the last of the buckets ``groups`` (runs of indices in arrival order) is reduced."""
-    end = float("-inf")
-    for group in groups:
-        ready = max(arrivals[i] for i in group)
-        end = max(end, ready) + cost.seconds(sum(nbytes[i] for i in group))
-    return end
+    bounds = [0] + list(np.cumsum([len(g) for g in groups]))
+    total = np.concatenate([[0], np.cumsum(np.asarray(nbytes, dtype=np.float64))])
+    return _last_end(bounds, np.maximum.accumulate(np.asarray(arrivals, dtype=np.float64)),
+                     total, cost)
+
+
+def _last_end(bounds: Sequence[int], t: np.ndarray, total: np.ndarray, cost: LinkCost) -> float:
+    """The end of the last reduction of the buckets between ``bounds`` (0, the cuts, n), from
+    the arrival times ``t`` (non-decreasing) and the byte prefix sums ``total``."""
+    end = -np.inf
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        end = max(end, t[hi - 1]) + cost.alpha + cost.beta * (total[hi] - total[lo])
+    return float(end)
 
 
 def cut(arrivals: Sequence[float], nbytes: Sequence[int], kinds: Sequence[object],
@@ -130,13 +138,7 @@ def cut(arrivals: Sequence[float], nbytes: Sequence[int], kinds: Sequence[object
 def _merge(bounds: List[int], t: np.ndarray, total: np.ndarray, kinds: Sequence[object],
            cost: LinkCost, cap: int) -> List[int]:
     """Drop cut points (``bounds``: 0, the cuts, n) while the last reduction ends no later."""
-    def last_end(b):
-        ends = -np.inf
-        for lo, hi in zip(b[:-1], b[1:]):
-            ends = max(ends, t[hi - 1]) + cost.alpha + cost.beta * (total[hi] - total[lo])
-        return ends
-
-    best = last_end(bounds)
+    best = _last_end(bounds, t, total, cost)
     merged = True
     while merged:
         merged = False
@@ -145,7 +147,7 @@ def _merge(bounds: List[int], t: np.ndarray, total: np.ndarray, kinds: Sequence[
             if total[hi] - total[lo] > cap or kinds[lo] != kinds[hi - 1]:
                 continue
             trial = bounds[:k] + bounds[k + 1:]
-            ends = last_end(trial)
+            ends = _last_end(trial, t, total, cost)
             if ends <= best * (1 + 1e-12) + 1e-15:
                 bounds, best, merged = trial, min(best, ends), True
                 break
