@@ -48,9 +48,14 @@ def mpirun_path() -> str:
     return found
 
 
-def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str]) -> List[str]:
+def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str],
+                   session_dir: str) -> List[str]:
+    """Open MPI's mpirun for ``np`` local ranks, its session directory under ``session_dir``, a
+    folder of the caller's: Open MPI names it after mpirun's pid, and one left by a killed
+    mpirun stops a later mpirun with the same pid from starting."""
     cmd = [mpirun_path(), "--oversubscribe", "-np", str(np), "--bind-to", "none",
-           "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
+           "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
+           "--prtemca", "prte_tmpdir_base", session_dir]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     for key in extra_env:
@@ -162,35 +167,11 @@ def _kill(proc):
     proc.wait()
 
 
-# mpirun itself now and then fails to start here before any rank runs; such a launch (and only
-# such a one: no rank reported anything) is tried once more.
-_LAUNCHER_FAILURES = ("PMIx server's listener thread failed to start",)
-
-
-def _launcher_failed(failure: "RanksFailed") -> bool:
-    return (any(m in failure.output for m in _LAUNCHER_FAILURES)
-            and all(r is None for r in failure.results)
-            and all(e.startswith("no result") for e in failure.errors.values()))
-
-
-def run_ranks(fn, np: int, backend: str = "gloo", **kwargs):
-    """Per-rank return values of ``fn(*args)``: see ``_run_ranks_once``."""
-    try:
-        outcome = _run_ranks_once(fn, np, backend, **kwargs)
-    except RanksFailed as failure:
-        if not _launcher_failed(failure):
-            raise
-        return _run_ranks_once(fn, np, backend, **kwargs)
-    if isinstance(outcome, RanksFailed) and _launcher_failed(outcome):
-        return _run_ranks_once(fn, np, backend, **kwargs)
-    return outcome
-
-
-def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
-                    args: Sequence = (), timeout: float = 90,
-                    hostnames: Optional[Sequence[str]] = None, init: bool = True,
-                    expect_failure: bool = False, with_output: bool = False,
-                    settle_on: Sequence[int] = ()):
+def run_ranks(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, str]] = None,
+              args: Sequence = (), timeout: float = 90,
+              hostnames: Optional[Sequence[str]] = None, init: bool = True,
+              expect_failure: bool = False, with_output: bool = False,
+              settle_on: Sequence[int] = ()):
     """Per-rank return values of ``fn(*args)`` (with with_output, also the ranks' combined
     output); with expect_failure, the RanksFailed instead.  ``settle_on``: once these ranks
     have reported, the others are stopped (a test that freezes a rank on purpose need not wait
@@ -218,8 +199,9 @@ def _run_ranks_once(fn, np: int, backend: str = "gloo", env: Optional[Dict[str, 
         env_all["OMPI_MCA_rmaps_base_oversubscribe"] = "1"
         log = open(os.path.join(result_dir, "mpirun.log"), "w+")
         logs.append(log)
-        procs.append(subprocess.Popen(mpirun_command(np, extra, argv), env=env_all, cwd=REPO,
-                                      stdout=log, stderr=subprocess.STDOUT,
+        session = os.path.join(result_dir, "mpi")
+        procs.append(subprocess.Popen(mpirun_command(np, extra, argv, session), env=env_all,
+                                      cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     elif backend == "gloo":
         forking = _forking()

@@ -245,6 +245,14 @@ def test_mpirun_commands_for_open_mpi_and_mpich():
         assert any(ompi[i:i + len(flags)] == flags for i in range(len(ompi))), (flags, ompi)
     assert "HOME" not in ompi and ompi[-4:] == ["--mca", "foo", "1", "python", "t.py"][-4:]
     assert "--allow-run-as-root" not in mpilib.command("mpirun", ("openmpi", 5), o, env, False)
+    assert "--prtemca" not in ompi  # no session directory of hvdrun's own across hosts
+    own = mpilib.command("mpirun", ("openmpi", 5), o, env, False, session_base="/tmp/s")
+    flags = ["--prtemca", "prte_tmpdir_base", "/tmp/s"]
+    assert any(own[i:i + 3] == flags for i in range(len(own))), own
+    assert ["--mca", "orte_tmpdir_base", "/tmp/s"] == mpilib.session_flags(
+        ("openmpi", 4), "/tmp/s", [])
+    assert mpilib.session_flags(("openmpi", 5), "/tmp/s", ["--prtemca", "prte_tmpdir_base",
+                                                           "/mine"]) == []
     o.output_filename = "/tmp/out"
     assert ["--output", "tag,dir=/tmp/out"] == \
         [a for a in mpilib.command("m", ("openmpi", 5), o, env, False) if "tag" in a or
@@ -347,6 +355,26 @@ def test_failing_rank_stops_the_others(mode, tools, tmp_path):
     pids = _pids(tmp_path, 4)
     _wait_for(lambda: all(_gone(p) for p in pids), 5, "every rank to end")
     assert took < 20, took
+
+
+@pytest.mark.timeout(60)
+def test_killed_mpirun_leaves_no_session_directory(tmp_path):
+    """Open MPI keeps $TMPDIR/ompi.<mpirun's pid> while it runs; one left behind by a killed
+    mpirun stops the next mpirun that gets the same pid from starting.  Here the rank kills
+    mpirun (its parent) outright, so Open MPI cannot clean up: hvdrun must."""
+    killer = tmp_path / "kill_parent.py"
+    parent = tmp_path / "parent"
+    killer.write_text("import os, signal, sys\n"
+                      "with open(sys.argv[1], 'w') as f:\n"
+                      "    f.write(open(f'/proc/{os.getppid()}/comm').read().strip())\n"
+                      "os.kill(os.getppid(), signal.SIGKILL)\n")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    rc, out, err = hvdrun(["-np", "1", "--mpi", sys.executable, str(killer), str(parent)],
+                          TMPDIR=str(tmpdir))
+    assert parent.read_text() in ("prterun", "mpirun"), (out, err)
+    assert rc != 0 and "hvdrun: mpirun was killed by signal 9 (SIGKILL)" in err, err
+    assert sorted(p.name for p in tmpdir.iterdir()) == [], err
 
 
 @pytest.mark.timeout(60)

@@ -33,10 +33,10 @@ def test_torchrun_starts_gloo_ranks():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["MPI", "Gloo"])
-def test_mpirun_starts_ranks(transport):
+def test_mpirun_starts_ranks(transport, tmp_path):
     extra = {"HOROVOD_CPU_OPERATIONS": transport.lower()}
     cmd = mpirun_command(3, dict(extra, PYTHONPATH="", OMP_NUM_THREADS=""),
-                         [sys.executable, EXAMPLE])
+                         [sys.executable, EXAMPLE], str(tmp_path))
     out = subprocess.run(cmd, env=_env(**extra), cwd=REPO, capture_output=True, text=True,
                          timeout=100)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -562,7 +562,7 @@ def test_buckets_cut_from_measured_times():
 
 
 def body_plan_chosen_by_step_times():
-    """Twenty steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
+    """Thirty steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
     whether the averaged gradients match the mean of every rank's, computed here, and the plan
     after it (the buckets' cut and whether the world's allreduces are hierarchical); then the
     link cost the buckets are cut with, both ways' costs and the trial's medians."""
@@ -578,7 +578,7 @@ def body_plan_chosen_by_step_times():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     close, plans = [], []
-    for step in range(20):
+    for step in range(30):
         inputs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(hvd.size())]
         own = []
@@ -603,31 +603,35 @@ def body_plan_chosen_by_step_times():
 @pytest.mark.parametrize("variable", [None, "0"])
 def test_plan_is_chosen_by_step_times(variable):
     """The default plan "auto": after the second step (which measures arrival times and both
-    ways' reduction costs) the next steps train 5 timed steps each with the measured cut, with
-    the caps' buckets and, where HOROVOD_HIERARCHICAL_ALLREDUCE is unset, the measured cut over
-    hierarchical allreduces; every rank keeps the candidate whose median step rank 0 measured
-    as shortest, its buckets cut with that way's link cost.  The averages are exact every
-    step."""
+    ways' reduction costs) the next steps visit each candidate twice in turn (A B C A B C), one
+    untimed and 3 timed steps a visit: the measured cut, the caps' buckets and, where
+    HOROVOD_HIERARCHICAL_ALLREDUCE is unset, the measured cut over hierarchical allreduces;
+    every rank keeps the candidate whose median step rank 0 measured as shortest, its buckets
+    cut with that way's link cost.  The averages are exact every step.  A first bucket of
+    1000 bytes makes the size buckets put the last layer's bias alone, which a measured cut of
+    this model does not (its backward takes far less than a reduction's latency), so both are
+    tried: a candidate giving the same buckets as another is not."""
     from horovod_ext.torch.reduction import plan_trial
-    env = {} if variable is None else {"HOROVOD_HIERARCHICAL_ALLREDUCE": variable}
+    env = {"HOROVOD_FIRST_BUCKET_BYTES": "1000"}
+    if variable is not None:
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = variable
     hosts = ["nodeA", "nodeA", "nodeB", "nodeB"]
     results = run_ranks(body_plan_chosen_by_step_times, 4, "gloo", env=env,
                         hostnames=hosts, timeout=150)
     assert len({repr(r[1:]) for r in results}) == 1          # every rank alike
     close, plans, cost, (flat, hierarchical), medians = results[0]
-    assert close == [True] * 20
+    assert close == [True] * 30
     assert flat.alpha > 0
     tried = [("timed", False), ("size", False)]
     if variable is None:
         tried.append(("timed", True))
     else:
         assert hierarchical is None
-    n = plan_trial.STEPS
-    # steps 0-1 learn; each candidate's first mark is the step() that switched to it
-    expected = [plans[1]] * (n + 1)
-    for candidate in tried[1:]:
-        expected += [candidate] * (n + 1)
-    assert tried[0] == plans[1] and plans[1:1 + len(expected)] == expected
-    best = tried[medians.index(min(medians))]
-    assert len(medians) == len(tried) and plans[-1] == best
+    assert [tuple(c) for c in medians] == tried
+    # steps 0-1 learn; the step() ending a visit switches to the next visit's candidate
+    per_visit = plan_trial.STEPS + 1
+    expected = [c for _ in range(plan_trial.ROUNDS) for c in tried for _ in range(per_visit)]
+    best = tuple(min(medians, key=medians.get))
+    assert plans[1:1 + len(expected)] == expected
+    assert all(p == best for p in plans[1 + len(expected):])
     assert cost == (hierarchical if best[1] else flat)

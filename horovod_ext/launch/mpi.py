@@ -2,7 +2,8 @@
 
 Open MPI 5 (where horovodrun 0.28.1's ``--mpi`` breaks on its binding flags): ``--bind-to none``,
 ``--oversubscribe`` (ranks may outnumber cores), ``--allow-run-as-root`` as root,
-``-H host:slots``, ``-x VAR``.  MPICH/Hydra (and Intel MPI,
+``-H host:slots``, ``-x VAR``, and where every rank is on this host a session directory of
+hvdrun's own (see ``session_flags``).  MPICH/Hydra (and Intel MPI,
 also Hydra): ``-hosts host:n``, ``-genv VAR VALUE``, ``-launcher-exec`` for another remote shell.
 """
 import os
@@ -10,7 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # Forwarded to the ranks besides HOROVOD_*: what a rank on another host needs to find Python
 # and horovod_ext, and the transports' own settings.
@@ -59,8 +60,23 @@ def forwarded(env: Dict[str, str]) -> List[str]:
     return sorted(k for k in env if k.startswith(_FORWARD_PREFIXES) or k in _FORWARD)
 
 
+def session_flags(kind: Tuple[str, int], base: Optional[str], mpi_args) -> List[str]:
+    """Open MPI's flags putting its session directory under ``base``.
+
+    Open MPI names that directory after mpirun's process id (``$TMPDIR/ompi.<pid>``) and removes
+    it only when mpirun ends by itself.  One left by an mpirun that was killed stops a later
+    mpirun that gets the same pid ("The PMIx server's listener thread failed to start"), so
+    hvdrun gives each job a fresh base and removes it afterwards.  Not where the user sets a
+    base in --mpi-args, nor for MPICH, which keeps no such directory."""
+    name, major = kind
+    if name != "openmpi" or base is None or any("tmpdir_base" in a for a in mpi_args):
+        return []
+    return (["--prtemca", "prte_tmpdir_base", base] if major >= 5
+            else ["--mca", "orte_tmpdir_base", base])
+
+
 def command(mpirun: str, kind: Tuple[str, int], o, env: Dict[str, str],
-            is_root: bool) -> List[str]:
+            is_root: bool, session_base: Optional[str] = None) -> List[str]:
     """The mpirun command line for options ``o``; ``env`` is the ranks' environment, whose
     HOROVOD_* (and path) variables are passed on to every host."""
     name, major = kind
@@ -71,6 +87,7 @@ def command(mpirun: str, kind: Tuple[str, int], o, env: Dict[str, str],
         if is_root:
             cmd.append("--allow-run-as-root")
         cmd += ["--oversubscribe", "--bind-to", "none", "-H", hosts]
+        cmd += session_flags(kind, session_base, o.mpi_args)
         if o.output_filename:
             cmd += (["--output", f"tag,dir={o.output_filename}"] if major >= 5 else
                     ["--tag-output", "--output-filename", o.output_filename])

@@ -6,7 +6,9 @@ runs mpirun.  Either way the processes are supervised by ``supervise.Supervisor`
 imported here (only by --check-build), so that hvdrun starts in a fraction of a second.
 """
 import os
+import shutil
 import sys
+import tempfile
 
 from . import hosts as hostlib
 from . import agent, mpi, netinfo, options, remote
@@ -184,12 +186,19 @@ def run_mpi(o, failures=None) -> int:
     if o.output_filename and kind[0] == "mpich":  # Hydra does not create the folders
         for slot in o.slots:
             os.makedirs(os.path.join(o.output_filename, f"rank.{slot.rank}"), exist_ok=True)
-    cmd = mpi.command(mpirun, kind, o, env, os.geteuid() == 0)
+    # Every rank here: a session directory of this job's own (mpi.session_flags).  Other hosts
+    # keep their own TMPDIR, which this host cannot create or clean.
+    session = None if remote_hosts else tempfile.mkdtemp(prefix="hvdrun-mpi-")
+    cmd = mpi.command(mpirun, kind, o, env, os.geteuid() == 0, session)
     try:
-        sup.start("mpirun", cmd, env, agent=False, pipe_output=False)
-    except OSError as exc:
-        raise LaunchError(f"cannot start {mpirun}: {exc}") from None
-    return sup.run()
+        try:
+            sup.start("mpirun", cmd, env, agent=False, pipe_output=False)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {mpirun}: {exc}") from None
+        return sup.run()
+    finally:
+        if session:
+            shutil.rmtree(session, ignore_errors=True)
 
 
 def print_plan(o) -> int:

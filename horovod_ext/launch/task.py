@@ -1,5 +1,6 @@
 """One worker of ``horovod_ext.run``: fetch the function from the caller, run it, send back its
-result or its exception (``python -m horovod_ext.launch.task``, started by hvdrun's machinery on every rank).
+result or its exception (``python -m horovod_ext.launch.task``, started by hvdrun's machinery on
+every rank).
 
 The caller's address and the run's key come in HOROVOD_RUN_DRIVER (``ADDR[,ADDR...]:PORT``) and
 HOROVOD_RUN_KEY; ``launch.driver`` describes the messages.

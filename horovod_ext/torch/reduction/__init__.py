@@ -167,30 +167,41 @@ def _learn_timing(state: OptimizerState, broadcast) -> None:
          hierarchical))
     layout.link_cost, layout.cut = flat, "timed"
     layout.both_ways = (flat, hierarchical)
-    if bucket_plan() == "auto":
-        candidates = [plan_trial.Candidate("timed", False), plan_trial.Candidate("size", False)]
-        if hierarchical is not None:
-            candidates.append(plan_trial.Candidate("timed", True))
-        layout.trial = plan_trial.PlanTrial(candidates)
-    elif hierarchical is not None:   # "timed": only the way is tried
-        layout.trial = plan_trial.PlanTrial([plan_trial.Candidate("timed", False),
-                                             plan_trial.Candidate("timed", True)])
+    candidates = [plan_trial.Candidate("timed", False)]
+    if bucket_plan() == "auto" and not _same_buckets(state):
+        candidates.append(plan_trial.Candidate("size", False))
+    if hierarchical is not None:   # the way is open: tried under "timed" too
+        candidates.append(plan_trial.Candidate("timed", True))
+    layout.trial = plan_trial.PlanTrial(candidates) if len(candidates) > 1 else None
     layout.timing_generation = state.progress.generation
     _replan_keeping_gradients(state)
 
 
+def _same_buckets(state: OptimizerState) -> bool:
+    """Whether the measured cut gives the size buckets (a small model: both one bucket), so
+    that trying both would only spend steps."""
+    cap, layout = bucket_cap(), state.layout
+    timed = _timed_buckets(layout, cap)
+    layout.cut = "size"
+    sized = _plan_buckets(state, cap)
+    layout.cut = "timed"
+    return [[id(p) for p in b.params] for b in timed] == \
+        [[id(p) for p in b.params] for b in sized]
+
+
 def _continue_trial(state: OptimizerState, broadcast) -> None:
-    """Count a step of the trial; after each candidate's steps switch to the next, and after
-    the last keep the fastest (rank 0's medians)."""
+    """Count a step of the trial; after each visit's steps switch to the next visit's
+    candidate, and after the last keep the fastest (rank 0's medians)."""
     layout = state.layout
     trial = layout.trial
     event = trial.mark(time.perf_counter())
     if event is None:
         return
     if event == "decide":
-        layout.trial_medians = broadcast(trial.medians())
+        medians = broadcast(trial.medians())
+        layout.trial_medians = dict(zip(trial.candidates, medians))
         layout.trial = None
-        best = min(range(len(trial.candidates)), key=layout.trial_medians.__getitem__)
+        best = min(range(len(trial.candidates)), key=medians.__getitem__)
         if best == trial.current:
             return                     # it is the plan already
         candidate = trial.candidates[best]

@@ -3,14 +3,18 @@
 A cost model cannot see everything a plan costs: on ranks that share cores, each extra bucket's
 request takes processor time from backward, and the hierarchical way's in-node steps wait for the
 slowest local rank's backward. So, with HOROVOD_GRADIENT_BUCKET_PLAN=auto (the default), across
-hosts, DistributedOptimizer trains ``STEPS`` timed steps with each candidate: the buckets cut from
-the measured times, the buckets by size alone, and, where the way of the world's allreduces is open
-(engine.hierarchy_choice), the measured cut with the allreduces hierarchical; the candidate whose
-median step took least on rank 0 stays."""
+hosts, DistributedOptimizer trains with each candidate in turn: the buckets cut from the measured
+times, the buckets by size alone, and, where the way of the world's allreduces is open
+(engine.hierarchy_choice), the measured cut with the allreduces hierarchical.  Each is visited
+``ROUNDS`` times in the same order (A B C A B C), so that a drift of the step time (warm caches,
+another job on the hosts) falls on every candidate alike; a visit is one untimed step under the
+new plan (its buffers are new) and ``STEPS`` timed ones.  The candidate whose median step took
+least on rank 0 stays."""
 import statistics
 from typing import List, NamedTuple, Optional
 
-STEPS = 5          # timed steps per candidate
+ROUNDS = 2         # visits to each candidate
+STEPS = 3          # timed steps a visit
 
 
 class Candidate(NamedTuple):
@@ -19,27 +23,41 @@ class Candidate(NamedTuple):
 
 
 class PlanTrial:
-    """The times at which step() was called under each candidate, tried in turn."""
+    """The times at which step() was called under each candidate, visited in turn."""
 
-    def __init__(self, candidates: List[Candidate], steps: int = STEPS):
+    def __init__(self, candidates: List[Candidate], steps: int = STEPS, rounds: int = ROUNDS):
         self.candidates = candidates
         self.steps = steps
-        self.current = 0
-        self.marks: List[List[float]] = [[] for _ in candidates]
+        self.order = [c for _ in range(rounds) for c in range(len(candidates))]
+        self.visit = 0
+        self.visit_marks: List[float] = []
+        self.durations: List[List[float]] = [[] for _ in candidates]
+
+    @property
+    def current(self) -> int:
+        """The candidate whose plan the steps run with now."""
+        return self.order[self.visit]
+
+    @property
+    def total_steps(self) -> int:
+        """The steps the trial takes, from the first under its first candidate."""
+        return len(self.order) * (self.steps + 1)
 
     def mark(self, now: float) -> Optional[str]:
-        """A step() call at ``now``: "next" when the current candidate has its steps and
-        another is to be tried (``current`` is that one now), "decide" when all have, else
-        None.  A candidate's first mark starts its first timed step."""
-        marks = self.marks[self.current]
-        marks.append(now)
-        if len(marks) <= self.steps:
+        """A step() call at ``now``: "next" when the current visit has its steps and another
+        follows (``current`` is its candidate now), "decide" after the last, else None.  A
+        visit's first mark ends its untimed step and starts its first timed one."""
+        if self.visit_marks:
+            self.durations[self.current].append(now - self.visit_marks[-1])
+        self.visit_marks.append(now)
+        if len(self.visit_marks) <= self.steps:
             return None
-        if self.current + 1 < len(self.candidates):
-            self.current += 1
+        self.visit_marks = []
+        if self.visit + 1 < len(self.order):
+            self.visit += 1
             return "next"
         return "decide"
 
     def medians(self) -> List[float]:
-        """Each candidate's median step time."""
-        return [statistics.median(b - a for a, b in zip(m[:-1], m[1:])) for m in self.marks]
+        """Each candidate's median step time over all its visits."""
+        return [statistics.median(d) for d in self.durations]

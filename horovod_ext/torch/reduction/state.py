@@ -62,11 +62,12 @@ class Layout:
     link_cost: Optional[object] = None
     # the flat and the hierarchical way's cost (None where the way is not open:
     # hierarchy_choice); which cut the buckets follow ("timed" or "size"); the trial of
-    # candidate plans in progress (plan_trial.PlanTrial), and its median step times
+    # candidate plans in progress (plan_trial.PlanTrial), and each candidate's median step time
+    # once it has ended (rank 0's)
     both_ways: Optional[tuple] = None
     cut: str = "size"
     trial: Optional[object] = None
-    trial_medians: Optional[list] = None
+    trial_medians: Optional[dict] = None
     timing_generation: int = -1
 
     @classmethod
