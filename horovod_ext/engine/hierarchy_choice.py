@@ -5,8 +5,8 @@ Which is faster depends on the links: across real hosts the hierarchical way sen
 over the network once per host instead of once per rank, but where the "hosts" share a machine
 its extra in-node steps only cost.  HOROVOD_HIERARCHICAL_ALLREDUCE decides when it is set, and
 autotune when it runs; otherwise DistributedOptimizer tries both ways for a few training steps
-and keeps the faster (torch/reduction/plan_trial.py).  A switch runs as one negotiated request,
-so every rank changes way between the same two requests.
+and keeps the one that trains clearly faster (torch/reduction/plan_trial.py).  A switch runs as
+one negotiated request, so every rank changes way between the same two requests.
 """
 from . import runtime
 

@@ -191,7 +191,7 @@ def _same_buckets(state: OptimizerState) -> bool:
 
 def _continue_trial(state: OptimizerState, broadcast) -> None:
     """Count a step of the trial; after each visit's steps switch to the next visit's
-    candidate, and after the last keep the fastest (rank 0's medians)."""
+    candidate, and after the last keep the one plan_trial.choose picks (rank 0's medians)."""
     layout = state.layout
     trial = layout.trial
     event = trial.mark(time.perf_counter())
@@ -201,7 +201,7 @@ def _continue_trial(state: OptimizerState, broadcast) -> None:
         medians = broadcast(trial.medians())
         layout.trial_medians = dict(zip(trial.candidates, medians))
         layout.trial = None
-        best = min(range(len(trial.candidates)), key=medians.__getitem__)
+        best = plan_trial.choose(trial.candidates, medians)
         if best == trial.current:
             return                     # it is the plan already
         candidate = trial.candidates[best]

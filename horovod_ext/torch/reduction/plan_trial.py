@@ -8,13 +8,16 @@ times, the buckets by size alone, and, where the way of the world's allreduces i
 (engine.hierarchy_choice), the measured cut with the allreduces hierarchical.  Each is visited
 ``ROUNDS`` times in the same order (A B C A B C), so that a drift of the step time (warm caches,
 another job on the hosts) falls on every candidate alike; a visit is one untimed step under the
-new plan (its buffers are new) and ``STEPS`` timed ones.  The candidate whose median step took
-least on rank 0 stays."""
+new plan (its buffers are new) and ``STEPS`` timed ones.  DDP's plan (the size buckets, flat)
+stays unless another candidate's median step on rank 0 is shorter by more than ``MARGIN``: six
+steps do not separate plans closer than that (step times here move by 3-5% between rounds), and
+where a candidate won in the trial by less, it often lost afterwards."""
 import statistics
 from typing import List, NamedTuple, Optional
 
 ROUNDS = 2         # visits to each candidate
 STEPS = 3          # timed steps a visit
+MARGIN = 0.05      # how much shorter a median must be to displace DDP's plan
 
 
 class Candidate(NamedTuple):
@@ -61,3 +64,12 @@ class PlanTrial:
     def medians(self) -> List[float]:
         """Each candidate's median step time over all its visits."""
         return [statistics.median(d) for d in self.durations]
+
+
+def choose(candidates: List[Candidate], medians: List[float]) -> int:
+    """The candidate to keep, given each one's median step time: the fastest, if it beats the
+    incumbent (the size buckets, flat; else the first candidate) by more than ``MARGIN``, else
+    the incumbent."""
+    incumbent = next((i for i, c in enumerate(candidates) if c == Candidate("size", False)), 0)
+    best = min(range(len(candidates)), key=medians.__getitem__)
+    return best if medians[best] < medians[incumbent] * (1 - MARGIN) else incumbent
