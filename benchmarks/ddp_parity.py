@@ -103,6 +103,10 @@ def worker(args):
         # the buckets the last round ran with (rank 0's plan is every rank's)
         results[kind]["bucket_bytes"] = [b.flat.numel() * b.flat.element_size()
                                          for b in getattr(opt._hvd.reducer, "buckets", [])]
+        # what the plan trial measured (rank 0's median step per candidate), where it ran
+        tried = opt._hvd.layout.trial_medians or {}
+        results[kind]["trial_medians"] = {
+            c.cut + (", hierarchical" if c.hierarchical else ""): m for c, m in tried.items()}
     _spawn.finish_beside_ddp(hvd, results, args.result)
 
 
