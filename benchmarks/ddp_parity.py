@@ -13,7 +13,9 @@ random data, ``--batch`` samples per rank) and its step time is the median of th
 ``cnn`` (examples/fashion_mnist.py's CNN, 0.22 M) and ``transformer`` (``_models.CharLM``,
 0.44 M).  Every variant of ours (``--variants``: ``label=VAR:value+VAR:value``, or ``default``
 for no variables) starts its own ranks with DDP beside it, so each ratio compares methods of one
-run.  Prints a table per setting and writes JSON.
+run.  Prints a table per setting and writes JSON, which also keeps rank 0's median phases of a
+step per method and round (``phases_rank0``: zero_grad and forward, backward, opt.step(); DDP
+reduces inside backward, ours mostly waits in opt.step()) and the plan trial's medians.
 """
 import json
 import os
@@ -54,14 +56,19 @@ def build(kind, batch):
 
 
 def step_times(model, opt, loss, steps):
-    """Per-step wall times of ``steps`` training steps."""
+    """Per-step wall times of ``steps`` training steps, each with its phases: zero_grad and
+    forward, backward (DDP's reductions run inside it), and opt.step() (ours wait there)."""
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss(model).backward()
+        value = loss(model)
+        t1 = time.perf_counter()
+        value.backward()
+        t2 = time.perf_counter()
         opt.step()
-        times.append(time.perf_counter() - t0)
+        t3 = time.perf_counter()
+        times.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
     return times
 
 
@@ -81,6 +88,7 @@ def worker(args):
                                        named_parameters=ours.named_parameters(), op=hvd.Average)
         runners = {"ddp": (ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4)), "hvd": (ours, opt)}
         medians = {name: [] for name in runners}
+        phases = {name: [] for name in runners}   # this rank's median forward, backward, step
         stats = runtime.engine().stats
         cycles = []   # the engine's negotiation rounds per step, each round of ours
         for rep in range(args.reps):
@@ -88,15 +96,17 @@ def worker(args):
             for name in order:
                 dist.barrier()
                 before = stats["cycles"]
-                times = step_times(*runners[name], loss, args.steps)
-                medians[name].append(statistics.median(times[-args.timed:]))
+                times = step_times(*runners[name], loss, args.steps)[-args.timed:]
+                medians[name].append(statistics.median(t[0] for t in times))
+                phases[name].append([statistics.median(t[i] for t in times) for i in (1, 2, 3)])
                 if name == "hvd":
                     cycles.append((stats["cycles"] - before) / args.steps)
         every = [None] * size
         dist.all_gather_object(every, medians)
+        results[kind] = {"phases_rank0": phases}
         # the slowest rank sets the pace
-        results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.reps)]
-                         for name in runners}
+        results[kind].update({name: [max(r[name][i] for r in every) for i in range(args.reps)]
+                              for name in runners})
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
         results[kind]["cycles_per_step"] = cycles
         results[kind]["hierarchical"] = bool(runtime.engine().comms.hierarchical_allreduce)
