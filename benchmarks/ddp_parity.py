@@ -103,10 +103,10 @@ def worker(args):
                     cycles.append((stats["cycles"] - before) / args.steps)
         every = [None] * size
         dist.all_gather_object(every, medians)
-        results[kind] = {"phases_rank0": phases}
         # the slowest rank sets the pace
-        results[kind].update({name: [max(r[name][i] for r in every) for i in range(args.reps)]
-                              for name in runners})
+        results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.reps)]
+                         for name in runners}
+        results[kind]["phases_rank0"] = phases
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
         results[kind]["cycles_per_step"] = cycles
         results[kind]["hierarchical"] = bool(runtime.engine().comms.hierarchical_allreduce)

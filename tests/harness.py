@@ -12,6 +12,7 @@ exactly its environment, and nothing has been initialised in it.  MPI ranks are 
 mpirun as small stubs that have a child of the fork server fork the rank (tests/_mpi_rank.py).
 HVD_TEST_FRESH_PROCESSES=1 starts every rank as its own interpreter instead.
 """
+import functools
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
+
+from horovod_ext.launch import mpi as mpi_launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKENDS = ["gloo", "mpi"]
@@ -48,14 +51,20 @@ def mpirun_path() -> str:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def _mpi_kind():
+    """("openmpi", major) or ("mpich", major) of the mpirun the tests use, asked once."""
+    return mpi_launch.detect(mpirun_path())
+
+
 def mpirun_command(np: int, extra_env: Dict[str, str], argv: Sequence[str],
                    session_dir: str) -> List[str]:
     """Open MPI's mpirun for ``np`` local ranks, its session directory under ``session_dir``, a
     folder of the caller's: Open MPI names it after mpirun's pid, and one left by a killed
     mpirun stops a later mpirun with the same pid from starting."""
     cmd = [mpirun_path(), "--oversubscribe", "-np", str(np), "--bind-to", "none",
-           "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo",
-           "--prtemca", "prte_tmpdir_base", session_dir]
+           "--mca", "btl", "self,tcp", "--mca", "btl_tcp_if_include", "lo"]
+    cmd += mpi_launch.session_flags(_mpi_kind(), session_dir, [])
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     for key in extra_env:

@@ -5,8 +5,8 @@ ssh, with its HOROVOD_* variables, rank 0's host being the rendezvous point; MPI
 runs mpirun.  Either way the processes are supervised by ``supervise.Supervisor``.  torch is never
 imported here (only by --check-build), so that hvdrun starts in a fraction of a second.
 """
+import contextlib
 import os
-import shutil
 import sys
 import tempfile
 
@@ -188,17 +188,15 @@ def run_mpi(o, failures=None) -> int:
             os.makedirs(os.path.join(o.output_filename, f"rank.{slot.rank}"), exist_ok=True)
     # Every rank here: a session directory of this job's own (mpi.session_flags).  Other hosts
     # keep their own TMPDIR, which this host cannot create or clean.
-    session = None if remote_hosts else tempfile.mkdtemp(prefix="hvdrun-mpi-")
-    cmd = mpi.command(mpirun, kind, o, env, os.geteuid() == 0, session)
-    try:
+    own_session = contextlib.nullcontext() if remote_hosts else \
+        tempfile.TemporaryDirectory(prefix="hvdrun-mpi-", ignore_cleanup_errors=True)
+    with own_session as session:
+        cmd = mpi.command(mpirun, kind, o, env, os.geteuid() == 0, session)
         try:
             sup.start("mpirun", cmd, env, agent=False, pipe_output=False)
         except OSError as exc:
             raise LaunchError(f"cannot start {mpirun}: {exc}") from None
         return sup.run()
-    finally:
-        if session:
-            shutil.rmtree(session, ignore_errors=True)
 
 
 def print_plan(o) -> int:

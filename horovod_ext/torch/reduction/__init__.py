@@ -97,6 +97,11 @@ def _plan_buckets(state: OptimizerState, cap: int) -> List[_buckets.Bucket]:
     if (layout.timing_generation == state.progress.generation and layout.arrival_times
             and layout.cut == "timed"):
         return _timed_buckets(layout, cap)
+    return _size_buckets(layout, cap)
+
+
+def _size_buckets(layout: Layout, cap: int) -> List[_buckets.Bucket]:
+    """Buckets by the two caps alone, in arrival order where it is known."""
     ordered = layout.params if layout.arrival_order is None else \
         [layout.params[i] for i in reversed(layout.arrival_order)]   # planned from the end
     params = [p for p in ordered if id(p) not in layout.sparse]
@@ -168,7 +173,7 @@ def _learn_timing(state: OptimizerState, broadcast) -> None:
     layout.link_cost, layout.cut = flat, "timed"
     layout.both_ways = (flat, hierarchical)
     candidates = [plan_trial.Candidate("timed", False)]
-    if bucket_plan() == "auto" and not _same_buckets(state):
+    if bucket_plan() == "auto" and not _same_buckets(layout):
         candidates.append(plan_trial.Candidate("size", False))
     if hierarchical is not None:   # the way is open: tried under "timed" too
         candidates.append(plan_trial.Candidate("timed", True))
@@ -177,16 +182,12 @@ def _learn_timing(state: OptimizerState, broadcast) -> None:
     _replan_keeping_gradients(state)
 
 
-def _same_buckets(state: OptimizerState) -> bool:
+def _same_buckets(layout: Layout) -> bool:
     """Whether the measured cut gives the size buckets (a small model: both one bucket), so
     that trying both would only spend steps."""
-    cap, layout = bucket_cap(), state.layout
-    timed = _timed_buckets(layout, cap)
-    layout.cut = "size"
-    sized = _plan_buckets(state, cap)
-    layout.cut = "timed"
-    return [[id(p) for p in b.params] for b in timed] == \
-        [[id(p) for p in b.params] for b in sized]
+    cap = bucket_cap()
+    return [[id(p) for p in b.params] for b in _timed_buckets(layout, cap)] == \
+        [[id(p) for p in b.params] for b in _size_buckets(layout, cap)]
 
 
 def _continue_trial(state: OptimizerState, broadcast) -> None:

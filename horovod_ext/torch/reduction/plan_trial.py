@@ -41,11 +41,6 @@ class PlanTrial:
         """The candidate whose plan the steps run with now."""
         return self.order[self.visit]
 
-    @property
-    def total_steps(self) -> int:
-        """The steps the trial takes, from the first under its first candidate."""
-        return len(self.order) * (self.steps + 1)
-
     def mark(self, now: float) -> Optional[str]:
         """A step() call at ``now``: "next" when the current visit has its steps and another
         follows (``current`` is its candidate now), "decide" after the last, else None.  A
