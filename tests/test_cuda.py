@@ -439,3 +439,19 @@ def test_gpu_benchmark_runs_its_table_on_the_cpu(tmp_path):
                                                   / rows["adam_fused"]["median_ms"])
     for name in rows:
         assert f"\n{name} " in out.stdout, f"the table lacks {name}"
+
+
+def test_kernel_profile_runs_on_the_cpu(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_kernels.py"),
+                          "--device", "cpu", "--params", "20000", "--steps", "1", "--reps", "2",
+                          "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=180, cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads((tmp_path / "gpu_kernels.json").read_text())
+    assert [r["name"] for r in report["optimizers"]] == ["adam_fused", "lamb", "lamb_split",
+                                                         "slamb"]
+    for r in report["optimizers"]:
+        assert r["wall_ms"] > 0 and r["queued_ms"] > 0, r
+        assert r["launches_per_step"] == 0 and r["top"] == [], r   # no device kernels on a CPU
+    assert report["device"] == "cpu" and report["commit"]

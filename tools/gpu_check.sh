@@ -13,6 +13,8 @@
 #                group beside Gloo): collectives, DistributedOptimizer, the shared-GPU check,
 #                the README's example; Gloo only (MPI may not be installed)
 #   benchmark    python benchmarks/gpu.py --out OUT (table in benchmark.log, OUT/gpu.json)
+#   kernels      python benchmarks/gpu_kernels.py --out OUT --code: the device kernels of an
+#                optimizer step (kernels.log, OUT/gpu_kernels.json) and Inductor's code
 # OUT/summary.txt says what passed; the exit status is 0 when every step passed.
 # Without CUDA it says so, runs nothing but the environment report (a dry run) and exits 0.
 # $PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
@@ -122,7 +124,8 @@ rc=$?
 if [ $rc -eq 3 ]; then
   say "CUDA is not available ($cuda): dry run, nothing was run on a GPU."
   say "on a GPU machine this runs: build, cuda_tests (pytest -m cuda tests/test_cuda.py)," \
-      "api_tests, benchmark (benchmarks/gpu.py --out $out); results in $out"
+      "api_tests, benchmark (benchmarks/gpu.py --out $out), kernels" \
+      "(benchmarks/gpu_kernels.py); results in $out"
   exit 0
 elif [ $rc -ne 0 ]; then
   say "FAILED: asking torch about CUDA: $cuda"
@@ -141,6 +144,7 @@ else
   say "cuda_tests, api_tests: NOT RUN, $py has no pytest"; failed=1
 fi
 step benchmark 120 "$py" benchmarks/gpu.py --out "$out"
+step kernels 60 "$py" benchmarks/gpu_kernels.py --out "$out" --code
 verdict="every step passed"
 [ $failed -eq 0 ] || verdict="some steps did not pass"
 say "$verdict in $((SECONDS - start)) s; results in $out"

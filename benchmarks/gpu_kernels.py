@@ -1,0 +1,169 @@
+"""Where an optimizer step's time goes on a GPU: the device kernels of one step of torch's fused
+Adam, ``hvd.Lamb`` and ``hvd.SLAMB`` on the parameters of ``benchmarks/gpu.py`` (25M, 1024-wide
+matrices), from torch.profiler.
+
+    python benchmarks/gpu_kernels.py --out DIR          # table; DIR/gpu_kernels.json
+    python benchmarks/gpu_kernels.py --out DIR --code   # also Inductor's generated kernels
+
+Per optimizer: the step's wall time (device synchronised around it, as ``gpu.py``'s rows), the
+kernel launches per step, the kernels' summed device time per step, and the kernels that take
+the most of it (name, launches and microseconds per step).  Device time well under the wall time
+means the step waits on the host (Python, launches); device time near it means the kernels
+themselves (their memory traffic) set the time.  ``--code`` logs the source Inductor writes for
+the fused kernels (to stderr: redirect it to keep it).  Without CUDA it says so and exits 0;
+``--device cpu`` profiles the CPU (no device kernels: only the wall times mean anything).
+"""
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _spawn  # noqa: E402  (benchmarks/ is not a package)
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+TOP = 8   # kernels listed per optimizer
+QUEUED = 10   # steps queued before one synchronisation (as a training loop queues them)
+gpu = _spawn.sibling("gpu")   # the same parameters, description and timing
+
+
+def _device_us(event) -> float:
+    """An event's own device time in microseconds (the attribute's name moved across torch
+    versions)."""
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, attr):
+            return float(getattr(event, attr))
+    return 0.0
+
+
+def profile_steps(step, steps: int, device) -> dict:
+    """Kernels of ``steps`` calls of ``step`` (after two untimed ones), per step."""
+    step()
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages()
+               if _device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=_device_us, reverse=True)
+    return {"launches_per_step": sum(e.count for e in kernels) / steps,
+            "device_us_per_step": sum(_device_us(e) for e in kernels) / steps,
+            "top": [{"kernel": e.key[:120], "launches_per_step": e.count / steps,
+                     "us_per_step": _device_us(e) / steps} for e in kernels[:TOP]]}
+
+
+def wall_ms(step, reps: int, sync) -> float:
+    """Median wall time of one synchronised step, in ms."""
+    return statistics.median(gpu.timed(step, reps, sync)) * 1e3
+
+
+class LambSplit:
+    """``hvd.Lamb``'s step (default hyper-parameters) as two compiled functions, to compare
+    with its one: the moments and both norms of every tensor (one pass over g, m, v, x), then
+    the update recomputed from m, v, x (a second pass), so that no u is ever stored."""
+
+    def __init__(self, params):
+        from horovod_ext.algorithms import lamb as lamb_math
+        self.lamb, self.params, self.t = lamb_math, params, 0
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.coeffs = torch.compile(self._coeffs, dynamic=True, fullgraph=True)
+        self.apply = torch.compile(self._apply, dynamic=True, fullgraph=True)
+
+    def _coeffs(self, ps, gs, ms, vs, bc1, bc2):
+        out = []
+        for p, g, m, v in zip(ps, gs, ms, vs):
+            self.lamb.update_moments_(m, v, g, 0.9, 0.999)
+            u = self.lamb.corrected_direction(m, v, bc1, bc2, 1e-6, False)
+            out.append(self.lamb.lamb_coefficient(p, u, self.lamb.DEFAULT_MIN_COEFF,
+                                                  self.lamb.DEFAULT_MAX_COEFF))
+        return out
+
+    def _apply(self, ps, ms, vs, coeffs, bc1, bc2, lr):
+        for p, m, v, c in zip(ps, ms, vs, coeffs):
+            u = self.lamb.corrected_direction(m, v, bc1, bc2, 1e-6, False)
+            p.sub_(u * (c * lr))
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        bc1, bc2 = self.lamb.bias_corrections(self.t, 0.9, 0.999)
+        coeffs = self.coeffs(self.params, [p.grad for p in self.params], self.m, self.v,
+                             bc1, bc2)
+        self.apply(self.params, self.m, self.v, coeffs, bc1, bc2, 1e-3)
+
+
+def optimizers():
+    """(name, maker) of the optimizers profiled."""
+    import horovod_ext.torch as hvd
+    return [("adam_fused", lambda p: torch.optim.Adam(p, fused=True)),
+            ("lamb", lambda p: hvd.Lamb(p)),
+            ("lamb_split", LambSplit),
+            ("slamb", lambda p: hvd.SLAMB(p, ratio=0.1, overlap=False))]
+
+
+def queued_ms(step, reps: int, sync) -> float:
+    """Median time per step of QUEUED steps launched before one synchronisation, in ms."""
+    times = gpu.timed(lambda: [step() for _ in range(QUEUED)], reps, sync)
+    return statistics.median(times) * 1e3 / QUEUED
+
+
+def main(argv=None):
+    p = _spawn.parser(__doc__, "gpu_kernels.json")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--params", type=int, default=25_000_000)
+    p.add_argument("--steps", type=int, default=5, help="profiled steps per optimizer")
+    p.add_argument("--reps", type=int, default=10, help="timed steps per optimizer")
+    p.add_argument("--code", action="store_true", help="log Inductor's generated code")
+    args = p.parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(f"gpu_kernels.py: CUDA is not available (torch {torch.__version__}); nothing "
+              f"profiled. Run it on a GPU machine, or with --device cpu.")
+        return 0
+    if args.quick:
+        args.params, args.steps, args.reps = min(args.params, 1_000_000), 2, 3
+    if args.code:
+        torch._logging.set_logs(output_code=True)
+    device = torch.device("cuda" if args.device != "cpu" else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    import horovod_ext.torch as hvd
+    hvd.init()      # SLAMB's sync runs on the engine
+    about = gpu.describe(device)
+    results = []
+    for name, make in optimizers():
+        params = gpu._parameters(args.params, device)
+        opt = make(params)
+        t0 = time.perf_counter()
+        opt.step()      # compiles the fused kernels, if any
+        first_s = time.perf_counter() - t0
+        found = profile_steps(opt.step, args.steps, device)
+        results.append({"name": name, "first_step_s": first_s,
+                        "wall_ms": wall_ms(opt.step, args.reps, sync),
+                        "queued_ms": queued_ms(opt.step, args.reps, sync), **found})
+        del opt, params
+    hvd.shutdown()
+    print(f"{about['name']} ({about['device']}): torch {about['torch']}; commit "
+          f"{about['commit']}, {about['date']}")
+    for r in results:
+        print(f"\n{r['name']}: wall {r['wall_ms']:.3f} ms ({r['queued_ms']:.3f} queued), "
+              f"device "
+              f"{r['device_us_per_step'] / 1e3:.3f} ms in {r['launches_per_step']:.0f} "
+              f"launches per step (first step {r['first_step_s']:.1f} s)")
+        for k in r["top"]:
+            print(f"  {k['us_per_step']:9.1f} us {k['launches_per_step']:5.1f}x  {k['kernel']}")
+    out = args.out
+    if os.path.isdir(out) or not out.endswith(".json"):
+        out = os.path.join(out, "gpu_kernels.json")
+    _spawn.write_report(out, {**about, "settings": {"params": args.params, "steps": args.steps,
+                                                    "reps": args.reps}, "optimizers": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
