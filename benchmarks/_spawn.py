@@ -341,8 +341,14 @@ def human(n) -> str:
 
 
 def provenance() -> Dict[str, str]:
-    """The commit (with "+changes" when tracked files differ from it) and today's date."""
+    """The commit (with "+changes" when tracked files differ from it) and today's date.  A copy
+    of a checkout without its history (a GPU machine's, say) names its commit in
+    BENCHMARK_COMMIT, which is then recorded as given."""
     import datetime
+    given = os.environ.get("BENCHMARK_COMMIT")
+    if given:
+        return {"commit": given, "commit_from": "BENCHMARK_COMMIT",
+                "date": datetime.date.today().isoformat()}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                             capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],

@@ -16,7 +16,8 @@ tensor, one scale: the fused kernels on a GPU), and the same ``_unfused`` (the p
 HOROVOD_FUSED_KERNELS=off); ``randomk_select`` (the shared mask at ``--ratio``:
 ``random_k_indices``), ``randomk_gather`` (``index_select`` of the selected values) and
 ``randomk_scatter`` (``index_copy_`` back); ``adasum_pair`` and ``adasum_pair_unfused`` (Adasum of
-two such tensors in 100 layers: dot products, then the combine); ``adam_fused``, ``adam_foreach``,
+two such tensors in 100 layers: dot products, then the combine; fused on a GPU, and the plain
+torch code); ``adam_fused``, ``adam_foreach``,
 ``lamb`` (``hvd.Lamb``: the fused kernels on a GPU), ``lamb_unfused`` (its plain torch code),
 ``onebit_adam_warmup`` (``hvd.OnebitAdam`` before its freeze step) and ``slamb`` (``hvd.SLAMB``,
 ``overlap=False`` so that its sync is part of the step) on ``--params`` parameters in 1024-wide
@@ -153,22 +154,18 @@ def bandwidth_rows(args, device, sync):
 
 def adasum_rows(args, x, base, sync):
     """Adasum of two vectors of --mib MiB in 100 layers (the per-layer dot products, then the
-    combine), fused and as the plain torch code."""
-    from horovod_ext.algorithms.adasum import fused
-    from horovod_ext.algorithms.adasum.operator import LayerMap, adasum_pair_, coefficients
+    combine): what runs (the fused kernels on a GPU) and the plain torch code."""
+    from horovod_ext.algorithms.adasum.operator import LayerMap, adasum_pair_
     numel = x.numel()
     step = max(1, numel // 100)
     layers = LayerMap([(lo, min(step, numel - lo)) for lo in range(0, numel, step)])
     a, b = x.clone(), x.flip(0).clone()
     what = f"Adasum of two {args.mib} MiB float32 vectors, {layers.count} layers"
-    piece = layers.piece(0, numel)
-
-    def fused_pair():   # adasum_pair_ with the fused kernels (operator does not call them yet)
-        return fused.combine_(a, b, coefficients(fused.partial_dots(a, b, piece)), piece)
-    return [row("adasum_pair", f"{what}, fused kernels", timed(fused_pair, args.reps, sync),
+    return [row("adasum_pair", what, timed(lambda: adasum_pair_(a, b, layers), args.reps, sync),
                 numel * 4, base),
-            row("adasum_pair_unfused", f"{what}, the torch code (what runs)",
-                timed(lambda: adasum_pair_(a, b, layers), args.reps, sync), numel * 4, base)]
+            row("adasum_pair_unfused", f"{what}, the plain torch code",
+                timed_unfused(lambda: adasum_pair_(a, b, layers), args.reps, sync), numel * 4,
+                base)]
 
 
 def _parameters(count: int, device):

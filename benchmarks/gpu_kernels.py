@@ -1,18 +1,24 @@
-"""Where an optimizer step's time goes on a GPU: the device kernels of one step of torch's fused
-Adam, ``hvd.Lamb`` and ``hvd.SLAMB`` on the parameters of ``benchmarks/gpu.py`` (25M, 1024-wide
-matrices), from torch.profiler.
+"""Where a GPU step's time goes: the device kernels and host operations of one optimizer step
+(torch's fused Adam, ``hvd.Lamb``, ``hvd.SLAMB``, on the parameters of ``benchmarks/gpu.py``: 25M
+in 1024-wide matrices) and of the 1-bit codec, from torch.profiler.
 
     python benchmarks/gpu_kernels.py --out DIR          # table; DIR/gpu_kernels.json
     python benchmarks/gpu_kernels.py --out DIR --code   # also Inductor's generated kernels
+    python benchmarks/gpu_kernels.py --only lamb,lamb_cpp_combo
 
-Per optimizer: the step's wall time (device synchronised around it, as ``gpu.py``'s rows), the
-kernel launches per step, the kernels' summed device time per step, and the kernels that take
-the most of it (name, launches and microseconds per step).  Device time well under the wall time
-means the step waits on the host (Python, launches); device time near it means the kernels
-themselves (their memory traffic) set the time.  ``--code`` logs the source Inductor writes for
-the fused kernels (to stderr: redirect it to keep it).  Without CUDA it says so and exits 0;
-``--device cpu`` profiles the CPU (no device kernels: only the wall times mean anything).
+Per measurement: the wall time of one call with the device synchronised around it (as
+``gpu.py``'s rows) and per call of 10 queued before one synchronisation (as a training loop
+queues them), the kernel launches per call, the kernels' summed device time per call, the kernels
+that take the most of it and the host operations with the most time of their own.  Device time
+well under the wall time means the call waits on the host (Python, launches); device time near it
+means the kernels themselves (their memory traffic) set the time.  ``hvd.Lamb`` and ``hvd.SLAMB``
+are also measured with their fused kernels compiled under other Inductor options (combo kernels:
+several tensors' kernels in one launch; the C++ wrapper: kernels launched from C++), and LAMB as
+two compiled passes (``LambSplit``), to choose between them.  ``--code`` logs the source
+Inductor writes (to stderr).  Without CUDA it says so and exits 0; ``--device cpu`` runs on the
+CPU (no device kernels: only the wall times mean anything).
 """
+import contextlib
 import os
 import statistics
 import sys
@@ -24,7 +30,8 @@ import _spawn  # noqa: E402  (benchmarks/ is not a package)
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-TOP = 8   # kernels listed per optimizer
+TOP = 8   # kernels (and host ops) listed per measurement
+ANNOTATIONS = ("Optimizer.", "ProfilerStep")
 QUEUED = 10   # steps queued before one synchronisation (as a training loop queues them)
 gpu = _spawn.sibling("gpu")   # the same parameters, description and timing
 
@@ -49,13 +56,22 @@ def profile_steps(step, steps: int, device) -> dict:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages()
-               if _device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    events = prof.key_averages()
+    # the optimizer's own annotation shows on the device's timeline too: not a kernel
+    kernels = [e for e in events
+               if _device_us(e) > 0 and e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.key.startswith(ANNOTATIONS)]
     kernels.sort(key=_device_us, reverse=True)
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+            and not e.key.startswith(ANNOTATIONS)]
+    host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     return {"launches_per_step": sum(e.count for e in kernels) / steps,
             "device_us_per_step": sum(_device_us(e) for e in kernels) / steps,
             "top": [{"kernel": e.key[:120], "launches_per_step": e.count / steps,
-                     "us_per_step": _device_us(e) / steps} for e in kernels[:TOP]]}
+                     "us_per_step": _device_us(e) / steps} for e in kernels[:TOP]],
+            "host_top": [{"op": e.key[:120], "calls_per_step": e.count / steps,
+                          "self_us_per_step": e.self_cpu_time_total / steps}
+                         for e in host[:TOP]]}
 
 
 def wall_ms(step, reps: int, sync) -> float:
@@ -99,13 +115,61 @@ class LambSplit:
         self.apply(self.params, self.m, self.v, coeffs, bc1, bc2, 1e-3)
 
 
-def optimizers():
-    """(name, maker) of the optimizers profiled."""
+@contextlib.contextmanager
+def inductor_options(**options):
+    """The fused LAMB and SLAMB kernels compiled afresh with these Inductor options added."""
+    from horovod_ext.algorithms import compiled, lamb as lamb_module
+    from horovod_ext.algorithms.slamb import update as slamb_update
+    kept = compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update
+    compiled._OPTIONS = {**kept[0], **options}
+    lamb_module.fused_lamb_steps_ = compiled.kernel(kept[1].eager)
+    slamb_update._fused_update = compiled.kernel(kept[2].eager)
+    try:
+        yield
+    finally:
+        compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update = kept
+
+
+COMBO = {"combo_kernels": True}                 # several tensors' kernels in one launch
+CPP = {"cpp_wrapper": True}                     # kernels launched from C++, not Python
+CPP_COMBO = {**CPP, **COMBO}
+
+
+def measurements():
+    """(name, what, options, make): ``make(args, device)`` returns the step to measure, under
+    the Inductor ``options`` (None: as shipped)."""
     import horovod_ext.torch as hvd
-    return [("adam_fused", lambda p: torch.optim.Adam(p, fused=True)),
-            ("lamb", lambda p: hvd.Lamb(p)),
-            ("lamb_split", LambSplit),
-            ("slamb", lambda p: hvd.SLAMB(p, ratio=0.1, overlap=False))]
+
+    def optimizer(make):
+        def setup(args, device):
+            return make(gpu._parameters(args.params, device)).step
+        return setup
+
+    def codec(which):
+        def setup(args, device):
+            from horovod_ext.algorithms.onebit import compress, decompress
+            x = torch.randn(args.mib * gpu.MIB // 4, device=device)
+            packed = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8, device=device)
+            scales = compress(x, out=packed)[1]
+            if which == "compress":
+                return lambda: compress(x, out=packed)
+            dst = torch.empty_like(x)
+            return lambda: decompress(packed, scales, [x.numel()], x.dtype, out=dst)
+        return setup
+    lamb, slamb = (lambda p: hvd.Lamb(p)), (lambda p: hvd.SLAMB(p, ratio=0.1, overlap=False))
+    return [("adam_fused", "torch Adam, fused", None,
+             optimizer(lambda p: torch.optim.Adam(p, fused=True))),
+            ("lamb", "hvd.Lamb", None, optimizer(lamb)),
+            ("lamb_combo", "hvd.Lamb, combo kernels", COMBO, optimizer(lamb)),
+            ("lamb_cpp", "hvd.Lamb, C++ wrapper", CPP, optimizer(lamb)),
+            ("lamb_cpp_combo", "hvd.Lamb, C++ wrapper and combo kernels", CPP_COMBO,
+             optimizer(lamb)),
+            ("lamb_split", "LAMB in two compiled passes", None, optimizer(LambSplit)),
+            ("slamb", "hvd.SLAMB, k = 0.1", None, optimizer(slamb)),
+            ("slamb_cpp_combo", "hvd.SLAMB, C++ wrapper and combo kernels", CPP_COMBO,
+             optimizer(slamb)),
+            ("onebit_compress", "1-bit compress, --mib MiB", None, codec("compress")),
+            ("onebit_decompress", "1-bit decompress, --mib MiB", None, codec("decompress"))]
 
 
 def queued_ms(step, reps: int, sync) -> float:
@@ -120,6 +184,9 @@ def main(argv=None):
     p.add_argument("--params", type=int, default=25_000_000)
     p.add_argument("--steps", type=int, default=5, help="profiled steps per optimizer")
     p.add_argument("--reps", type=int, default=10, help="timed steps per optimizer")
+    p.add_argument("--mib", type=int, default=256, help="tensor of the codec rows")
+    p.add_argument("--only", type=lambda v: v.split(","), default=None,
+                   help="comma-separated names of the measurements to run")
     p.add_argument("--code", action="store_true", help="log Inductor's generated code")
     args = p.parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
@@ -128,6 +195,7 @@ def main(argv=None):
         return 0
     if args.quick:
         args.params, args.steps, args.reps = min(args.params, 1_000_000), 2, 3
+        args.mib = min(args.mib, 16)
     if args.code:
         torch._logging.set_logs(output_code=True)
     device = torch.device("cuda" if args.device != "cpu" else "cpu")
@@ -136,17 +204,19 @@ def main(argv=None):
     hvd.init()      # SLAMB's sync runs on the engine
     about = gpu.describe(device)
     results = []
-    for name, make in optimizers():
-        params = gpu._parameters(args.params, device)
-        opt = make(params)
-        t0 = time.perf_counter()
-        opt.step()      # compiles the fused kernels, if any
-        first_s = time.perf_counter() - t0
-        found = profile_steps(opt.step, args.steps, device)
-        results.append({"name": name, "first_step_s": first_s,
-                        "wall_ms": wall_ms(opt.step, args.reps, sync),
-                        "queued_ms": queued_ms(opt.step, args.reps, sync), **found})
-        del opt, params
+    for name, what, options, setup in measurements():
+        if args.only and name not in args.only:
+            continue
+        with inductor_options(**options) if options else contextlib.nullcontext():
+            step = setup(args, device)
+            t0 = time.perf_counter()
+            step()      # compiles the fused kernels, if any
+            first_s = time.perf_counter() - t0
+            found = profile_steps(step, args.steps, device)
+            results.append({"name": name, "what": what, "first_step_s": first_s,
+                            "wall_ms": wall_ms(step, args.reps, sync),
+                            "queued_ms": queued_ms(step, args.reps, sync), **found})
+        del step
     hvd.shutdown()
     print(f"{about['name']} ({about['device']}): torch {about['torch']}; commit "
           f"{about['commit']}, {about['date']}")
@@ -157,11 +227,14 @@ def main(argv=None):
               f"launches per step (first step {r['first_step_s']:.1f} s)")
         for k in r["top"]:
             print(f"  {k['us_per_step']:9.1f} us {k['launches_per_step']:5.1f}x  {k['kernel']}")
+        print("  host, own time:")
+        for k in r["host_top"]:
+            print(f"  {k['self_us_per_step']:9.1f} us {k['calls_per_step']:5.1f}x  {k['op']}")
     out = args.out
     if os.path.isdir(out) or not out.endswith(".json"):
         out = os.path.join(out, "gpu_kernels.json")
-    _spawn.write_report(out, {**about, "settings": {"params": args.params, "steps": args.steps,
-                                                    "reps": args.reps}, "optimizers": results})
+    _spawn.write_report(out, {**about, "settings": {k: getattr(args, k) for k in (
+        "params", "mib", "steps", "reps")}, "measurements": results})
     return 0
 
 

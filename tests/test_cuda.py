@@ -334,6 +334,23 @@ class TestOneRank:
     def test_grad_scaler(self):
         assert body_amp() == []
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_adasum_operator_on_cuda_tensors(self, dtype):
+        """Adasum's per-layer operator on CUDA tensors (the fused kernels) against the same on
+        CPU tensors (the C kernels for float32, the torch code for float16), layers with gaps."""
+        from horovod_ext.algorithms.adasum import fused
+        from horovod_ext.algorithms.adasum.operator import LayerMap, adasum_pair_
+        layers = LayerMap([(0, 1), (1, 70000), (70010, 333), (70400, 9)])
+        g = torch.Generator().manual_seed(3)
+        a, b = (torch.randn(70500, generator=g).to(dtype) for _ in range(2))
+        want = adasum_pair_(a.clone(), b, layers)
+        got = adasum_pair_(a.cuda(), b.cuda(), layers)
+        assert got.is_cuda and fused._dots.compiled and fused._combine.compiled
+        tol = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float16 else dict(rtol=1e-5,
+                                                                             atol=1e-6)
+        torch.testing.assert_close(got.cpu(), want, **tol)
+        assert torch.equal(got.cpu()[70001:70010], a[70001:70010])   # a gap: unchanged
+
     def test_gradient_arrivals_are_timed_on_the_gpu(self):
         """The buckets' arrival clock times kernels when they run, not when they are queued:
         matrix products queued between two stamps take the GPU's time between them."""
@@ -443,15 +460,17 @@ def test_gpu_benchmark_runs_its_table_on_the_cpu(tmp_path):
 
 def test_kernel_profile_runs_on_the_cpu(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_kernels.py"),
-                          "--device", "cpu", "--params", "20000", "--steps", "1", "--reps", "2",
+                          "--device", "cpu", "--params", "20000", "--mib", "1", "--steps", "1",
+                          "--reps", "2", "--only", "adam_fused,lamb_cpp_combo,onebit_decompress",
                           "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=180, cwd=REPO,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads((tmp_path / "gpu_kernels.json").read_text())
-    assert [r["name"] for r in report["optimizers"]] == ["adam_fused", "lamb", "lamb_split",
-                                                         "slamb"]
-    for r in report["optimizers"]:
+    assert [r["name"] for r in report["measurements"]] == ["adam_fused", "lamb_cpp_combo",
+                                                           "onebit_decompress"]
+    for r in report["measurements"]:
         assert r["wall_ms"] > 0 and r["queued_ms"] > 0, r
         assert r["launches_per_step"] == 0 and r["top"] == [], r   # no device kernels on a CPU
+        assert r["host_top"] and all(h["self_us_per_step"] >= 0 for h in r["host_top"]), r
     assert report["device"] == "cpu" and report["commit"]

@@ -261,3 +261,25 @@ def test_the_fused_adasum_dots_and_combine_give_the_torch_codes_values(dtype, mo
         for s in piece.segments:
             covered[s.start:s.end] = True
         assert not covered.all() and torch.equal(out[~covered], x[~covered])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("fused_everywhere")
+def test_adasum_takes_the_fused_kernels_where_they_serve_the_tensors(monkeypatch):
+    """With the fused kernels serving the tensors (HOROVOD_FUSED_KERNELS=all here, CUDA tensors
+    by default), Adasum's operator runs them, compiled, and gives the torch code's result."""
+    from horovod_ext.algorithms.adasum import fused as adasum_fused, operator
+    layers = operator.LayerMap([(0, 3), (3, 900), (903, 97)])
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    got = operator.adasum_pair_(a.clone(), b, layers)
+    assert adasum_fused._dots.compiled and adasum_fused._combine.compiled
+    assert all(f is not adasum_fused._dots.eager for f in adasum_fused._dots.compiled.values())
+    monkeypatch.setenv("HOROVOD_FUSED_KERNELS", "off")
+    monkeypatch.setattr(operator, "HOST_CODE", False)
+    want = operator.adasum_pair_(a.clone(), b, layers)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for lo, hi in ((0, 3), (3, 903), (903, 1000)):   # each layer: the formula in float64
+        x, y = a[lo:hi].double(), b[lo:hi].double()
+        ref = (1 - (x @ y) / (2 * (x @ x))) * x + (1 - (x @ y) / (2 * (y @ y))) * y
+        torch.testing.assert_close(got[lo:hi].double(), ref, rtol=1e-5, atol=1e-6)

@@ -1,7 +1,9 @@
 """Adasum's per-layer dot products and combine as fused kernels (``compiled``: Triton on GPUs),
-for CUDA tensors.  Not yet called by ``operator``: on CPU tensors (the C++ backend) they are
-10-20x slower than the C kernels, and they have not been timed on a GPU (``benchmarks/gpu.py``'s
-``adasum_pair`` rows do that); ``operator`` switches to them once they beat its torch code there.
+which ``operator`` calls for the tensors the fused kernels serve (CUDA tensors by default).  On an
+H200 an Adasum of two 256 MiB vectors in 100 layers takes 1.5 ms this way against 79 ms in the
+torch code (``benchmarks/gpu.py``'s ``adasum_pair`` rows); on CPU tensors the C kernels are
+10-20x faster than these (the C++ backend), so CPU tensors take them only under
+HOROVOD_FUSED_KERNELS=all, as the tests do.
 
 ``partial_dots``: [a.b, a.a, b.b] of each segment of a piece, in float64 as the torch code, from
 ``segment_sums.prefix_at`` (a segment is the difference of the sums at its end and start); they

