@@ -114,7 +114,8 @@ class LayerMap:
 _SEGMENTS_ARGS = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                   ctypes.c_void_p)
 _LIB = native.load("horovod_ext.algorithms.adasum._kernels", {
-    **{f"hx_adasum_{what}_{t}": _SEGMENTS_ARGS for what in ("dots", "combine") for t in ("f32", "f64")},
+    **{f"hx_adasum_{what}_{t}": _SEGMENTS_ARGS
+       for what in ("dots", "combine") for t in ("f32", "f64")},
     "hx_adasum_coefficients": (ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_double,
                                ctypes.c_double, ctypes.c_void_p)})
 _KERNELS = {} if _LIB is None else {
