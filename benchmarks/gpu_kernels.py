@@ -6,17 +6,18 @@ in 1024-wide matrices) and of the 1-bit codec, from torch.profiler.
     python benchmarks/gpu_kernels.py --out DIR --code   # also Inductor's generated kernels
     python benchmarks/gpu_kernels.py --only lamb,lamb_cpp_combo
 
-Per measurement: the wall time of one call with the device synchronised around it (as
-``gpu.py``'s rows) and per call of 10 queued before one synchronisation (as a training loop
-queues them), the kernel launches per call, the kernels' summed device time per call, the kernels
-that take the most of it and the host operations with the most time of their own.  Device time
-well under the wall time means the call waits on the host (Python, launches); device time near it
-means the kernels themselves (their memory traffic) set the time.  ``hvd.Lamb`` and ``hvd.SLAMB``
-are also measured with their fused kernels compiled under other Inductor options (combo kernels:
-several tensors' kernels in one launch; the C++ wrapper: kernels launched from C++), and LAMB as
-two compiled passes (``LambSplit``), to choose between them.  ``--code`` logs the source
-Inductor writes (to stderr).  Without CUDA it says so and exits 0; ``--device cpu`` runs on the
-CPU (no device kernels: only the wall times mean anything).
+Per measurement: the wall time of one call with the device synchronised around it (as ``gpu.py``'s
+rows) and per call of 10 queued before one synchronisation (as a training loop queues them), the
+kernel launches per call, the kernels' summed device time per call, the kernels that take the most
+of it and the host operations with the most time of their own. Device time well under the wall time
+means the call waits on the host (Python, launches); device time near it means the kernels
+themselves (their memory traffic) set the time. ``hvd.Lamb`` and ``hvd.SLAMB`` are also measured
+with their fused kernels compiled under other Inductor options (combo kernels: several tensors'
+kernels in one launch; the C++ wrapper: kernels launched from C++), and LAMB as two compiled passes
+(``LambSplit``), to choose between them; each of these also reports how far its parameters are
+after 3 steps from the plain torch code's (``max_rel_diff_from_plain``). ``--code`` logs the source
+Inductor writes (to stderr). Without CUDA it says so and exits 0; ``--device cpu`` runs on the CPU
+(no device kernels: only the wall times mean anything).
 """
 import contextlib
 import os
@@ -135,14 +136,37 @@ CPP = {"cpp_wrapper": True}                     # kernels launched from C++, not
 CPP_COMBO = {**CPP, **COMBO}
 
 
+CHECK_PARAMS = 200_000   # parameters of the comparison with the plain torch code
+CHECK_STEPS = 3
+
+
+def differs_from_plain(make, plain, device) -> float:
+    """The largest difference, relative to each tensor's largest value, between parameters
+    after CHECK_STEPS steps of ``make``'s optimizer and of ``plain``'s under the plain torch
+    code (HOROVOD_FUSED_KERNELS=off), from the same start."""
+    def run(maker):
+        params = gpu._parameters(CHECK_PARAMS, device)
+        opt = maker(params)
+        for _ in range(CHECK_STEPS):
+            opt.step()
+        return params
+    got = run(make)
+    with gpu.unfused():
+        want = run(plain)
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
+
+
 def measurements():
     """(name, what, options, make): ``make(args, device)`` returns the step to measure, under
-    the Inductor ``options`` (None: as shipped)."""
+    the Inductor ``options`` (None: as shipped), and where the step has a plain torch code to
+    compare with, how far its results are from that code's (``differs_from_plain``)."""
     import horovod_ext.torch as hvd
 
-    def optimizer(make):
+    def optimizer(make, plain=None):
         def setup(args, device):
-            return make(gpu._parameters(args.params, device)).step
+            step = make(gpu._parameters(args.params, device)).step
+            diff = None if plain is None else differs_from_plain(make, plain, device)
+            return step, diff
         return setup
 
     def codec(which):
@@ -152,22 +176,22 @@ def measurements():
             packed = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8, device=device)
             scales = compress(x, out=packed)[1]
             if which == "compress":
-                return lambda: compress(x, out=packed)
+                return (lambda: compress(x, out=packed)), None
             dst = torch.empty_like(x)
-            return lambda: decompress(packed, scales, [x.numel()], x.dtype, out=dst)
+            return (lambda: decompress(packed, scales, [x.numel()], x.dtype, out=dst)), None
         return setup
     lamb, slamb = (lambda p: hvd.Lamb(p)), (lambda p: hvd.SLAMB(p, ratio=0.1, overlap=False))
     return [("adam_fused", "torch Adam, fused", None,
              optimizer(lambda p: torch.optim.Adam(p, fused=True))),
-            ("lamb", "hvd.Lamb", None, optimizer(lamb)),
-            ("lamb_combo", "hvd.Lamb, combo kernels", COMBO, optimizer(lamb)),
-            ("lamb_cpp", "hvd.Lamb, C++ wrapper", CPP, optimizer(lamb)),
+            ("lamb", "hvd.Lamb", None, optimizer(lamb, lamb)),
+            ("lamb_combo", "hvd.Lamb, combo kernels", COMBO, optimizer(lamb, lamb)),
+            ("lamb_cpp", "hvd.Lamb, C++ wrapper", CPP, optimizer(lamb, lamb)),
             ("lamb_cpp_combo", "hvd.Lamb, C++ wrapper and combo kernels", CPP_COMBO,
-             optimizer(lamb)),
-            ("lamb_split", "LAMB in two compiled passes", None, optimizer(LambSplit)),
-            ("slamb", "hvd.SLAMB, k = 0.1", None, optimizer(slamb)),
+             optimizer(lamb, lamb)),
+            ("lamb_split", "LAMB in two compiled passes", None, optimizer(LambSplit, lamb)),
+            ("slamb", "hvd.SLAMB, k = 0.1", None, optimizer(slamb, slamb)),
             ("slamb_cpp_combo", "hvd.SLAMB, C++ wrapper and combo kernels", CPP_COMBO,
-             optimizer(slamb)),
+             optimizer(slamb, slamb)),
             ("onebit_compress", "1-bit compress, --mib MiB", None, codec("compress")),
             ("onebit_decompress", "1-bit decompress, --mib MiB", None, codec("decompress"))]
 
@@ -208,12 +232,13 @@ def main(argv=None):
         if args.only and name not in args.only:
             continue
         with inductor_options(**options) if options else contextlib.nullcontext():
-            step = setup(args, device)
+            step, diff = setup(args, device)
             t0 = time.perf_counter()
             step()      # compiles the fused kernels, if any
             first_s = time.perf_counter() - t0
             found = profile_steps(step, args.steps, device)
             results.append({"name": name, "what": what, "first_step_s": first_s,
+                            "max_rel_diff_from_plain": diff,
                             "wall_ms": wall_ms(step, args.reps, sync),
                             "queued_ms": queued_ms(step, args.reps, sync), **found})
         del step
@@ -225,6 +250,9 @@ def main(argv=None):
               f"device "
               f"{r['device_us_per_step'] / 1e3:.3f} ms in {r['launches_per_step']:.0f} "
               f"launches per step (first step {r['first_step_s']:.1f} s)")
+        if r["max_rel_diff_from_plain"] is not None:
+            print(f"  parameters after {CHECK_STEPS} steps against the plain torch code: "
+                  f"{r['max_rel_diff_from_plain']:.1e} relative")
         for k in r["top"]:
             print(f"  {k['us_per_step']:9.1f} us {k['launches_per_step']:5.1f}x  {k['kernel']}")
         print("  host, own time:")
