@@ -304,3 +304,38 @@ def test_send_receive_outlasting_wait_slices_succeeds_and_abort_ends_it(tmp_path
     _, error, took = results[0]
     assert error is not None and "rank 1 stopped answering" in error, error
     assert took < 1.5, f"the abort ended the wait after {took:.1f} s"
+
+
+def body_closed_connection_waits_for_the_cause():
+    """This rank's engine finds a peer's connection closed; the peer's failure notice arrives
+    0.1 s later (its heartbeat thread ran late), then, after a restart, never arrives."""
+    import threading
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends.base import PeerClosedError
+    from horovod_ext.engine.runtime import state
+    closed = PeerClosedError("rank 1 closed its connection: it has died or shut down")
+    engine = state.engine
+    own = threading.Thread(target=engine._fail_everything, args=(closed,))
+    own.start()
+    own.join(0.1)    # the engine's own failure goes first; the notice comes after it
+    engine.fail_from_peer("rank 1 failed: injected failure on rank 1")
+    own.join(10)
+    explained = str(engine.failure)
+    hvd.shutdown()
+    hvd.init()
+    start = time.monotonic()
+    state.engine._fail_everything(closed)        # no notice follows: the closed socket it is
+    return explained, time.monotonic() - start, str(state.engine.failure)
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_connection_reports_the_peers_failure_when_its_notice_follows():
+    """A rank that finds a peer's connection closed reports the failure that peer announced,
+    when the announcement comes within PEER_NOTICE_GRACE_S, and the closed connection, within
+    that bound, when none comes (a peer that shut down)."""
+    from horovod_ext.engine.engine import PEER_NOTICE_GRACE_S
+    explained, took, unexplained = run_ranks(body_closed_connection_waits_for_the_cause, 1,
+                                             "gloo", timeout=50)[0]
+    assert "rank 1 failed: injected failure on rank 1" in explained, explained
+    assert "closed its connection" in unexplained, unexplained
+    assert PEER_NOTICE_GRACE_S * 0.9 <= took < PEER_NOTICE_GRACE_S + FAIL_FAST_S, took

@@ -21,6 +21,11 @@ class CommunicationError(RuntimeError):
     """A collective failed: a peer died, stopped answering, or the transport broke."""
 
 
+class PeerClosedError(CommunicationError):
+    """A peer closed its connection (it died or shut down): the symptom, not the cause, when the
+    peer stopped because of a failure it reported on the heartbeat channel."""
+
+
 class RefusedOnEveryRank(ValueError):
     """A call refused before any data moved, for a reason the ranks derived from the same
     gathered facts.  ``whole_job``: every rank of the job raises it alike, so only that request

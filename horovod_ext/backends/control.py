@@ -13,7 +13,7 @@ import struct
 import time
 from typing import List, Optional
 
-from .base import CommunicationError, Communicator
+from .base import CommunicationError, Communicator, PeerClosedError
 
 _HEADER = struct.Struct("!Q")
 
@@ -205,8 +205,8 @@ def _send_frame(sock, data: bytes, who: str = "rank 0"):
     try:
         sock.sendall(_HEADER.pack(len(data)) + data)
     except OSError as exc:
-        raise CommunicationError(f"sending to {who} failed ({exc}): it has died or shut "
-                                 f"down") from None
+        raise PeerClosedError(f"sending to {who} failed ({exc}): it has died or shut "
+                              f"down") from None
 
 
 def _recv_frame(sock, who: str) -> bytes:
@@ -240,5 +240,5 @@ def _recv_some(sock, n: int, who: str) -> bytes:
     except OSError as exc:
         raise CommunicationError(f"connection to {who} failed: {exc}") from None
     if not chunk:
-        raise CommunicationError(f"{who} closed its connection: it has died or shut down")
+        raise PeerClosedError(f"{who} closed its connection: it has died or shut down")
     return chunk

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from horovod_ext.backends import trace
-from horovod_ext.backends.base import CommunicationError
+from horovod_ext.backends.base import CommunicationError, PeerClosedError
 from horovod_ext.backends.control import ControlChannel
 from horovod_ext.backends.collectives import Collectives
 from horovod_ext.config import Config
@@ -34,6 +34,9 @@ from .waiting import Waiters
 log = logging.getLogger("horovod_ext")
 
 IDLE_CYCLE_S = 0.01
+# A failed peer says why on the heartbeat channel before it closes anything, but that channel's
+# thread may not have run yet: a rank that finds a peer closed waits this long for the notice.
+PEER_NOTICE_GRACE_S = 0.5
 
 
 class Engine:
@@ -67,8 +70,7 @@ class Engine:
         self._cycle_s, self._last_end = config.cycle_time_ms / 1000.0, 0.0
         self._round_started = 0  # perf_counter_ns at the start of the round (timeline)
         self._not_before = 0.0   # NEXT_CYCLE requests: no cycle before this (monotonic s)
-        # Told of this rank's own failures, to pass on to its peers (faults.py)
-        self.report_failure: Callable[[str], None] = lambda reason: None
+        self.report_failure: Callable[[str], None] = lambda reason: None   # to peers: faults.py
         self._thread = threading.Thread(target=self._run, name="horovod_ext-engine", daemon=True)
         self._thread.start()
 
@@ -101,9 +103,8 @@ class Engine:
 
     def wait_for(self, handle: Handle):
         if not handle.done() and self._cycle_lock.acquire(blocking=False):
-            # A caller blocked on a fresh request runs its first cycle itself: two thread
-            # hand-offs less per synchronous call.  The background thread stays asleep (a long
-            # cycle would otherwise wake it to queue on the lock and contend for the GIL).
+            # A caller blocked on a fresh request runs its first cycle itself (two thread
+            # hand-offs less); the background thread sleeps on, not contending for the GIL.
             try:
                 with self._cond:
                     fresh = (bool(self._new) and not self._stopped
@@ -268,16 +269,14 @@ class Engine:
         if self._caller_cycle:  # it notifies when it is done, if work is left
             return False
         busy = bool(self._new or self._local)
-        # A caller is blocked: go now if there is something new to announce, or if the last
-        # cycle moved things along (peers are active and may complete ours).
+        # A caller is blocked: go now if there is news to announce or the last round progressed
         if busy and self._waiters.count > 0 and (self._new or self._last_round_active):
             return True
         return time.monotonic() >= self._next_cycle_at(busy)
 
     def _next_cycle_at(self, busy: bool) -> float:
-        if busy:
-            return max(self._last_end + self._cycle_s, self._not_before)
-        return self._last_end + IDLE_CYCLE_S
+        return (max(self._last_end + self._cycle_s, self._not_before) if busy
+                else self._last_end + IDLE_CYCLE_S)
 
     def _sleep_time(self) -> Optional[float]:
         if self._caller_cycle:
@@ -305,9 +304,8 @@ class Engine:
 
     def _after_round(self, message: bytes, messages: Optional[List[bytes]],
                      only_ids: Optional[List[int]]) -> bool:
-        """Everything after the round: ``messages`` is None when every rank sent ``message``;
-        ``only_ids``: the cache ids ``message`` holds when it holds nothing else.  True when the
-        engine should stop."""
+        """After the round: ``messages`` is None when every rank sent ``message``; ``only_ids``:
+        the cache ids ``message`` holds if nothing else.  True when the engine should stop."""
         negotiator = self._negotiator
         if messages is None and only_ids and not negotiator.pending and not negotiator.joined:
             # The steady state: every rank submitted these cached requests in this order and
@@ -381,11 +379,13 @@ class Engine:
     def _fail_everything(self, exc: BaseException, tell_peers: bool = True):
         """Stop the engine (its thread wakes and ends) and fail every request with ``exc``;
         ``tell_peers``: this rank's own failure, which its peers may be waiting on."""
-        error = HorovodInternalError(f"horovod_ext stopped on rank {self.rank}: {exc}")
-        error.__cause__ = exc
         with self._cond:
+            if tell_peers and isinstance(exc, PeerClosedError):
+                self._cond.wait_for(lambda: self._fatal is not None, PEER_NOTICE_GRACE_S)
             if self._fatal is not None:   # failed already (a peer's notice came first)
                 return
+            error = HorovodInternalError(f"horovod_ext stopped on rank {self.rank}: {exc}")
+            error.__cause__ = exc
             self._fatal, self._stopped = error, True
             self._cond.notify_all()
             leftovers = list(self._local.values()) + self._new
