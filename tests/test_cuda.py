@@ -350,6 +350,8 @@ class TestOneRank:
                                                                              atol=1e-6)
         torch.testing.assert_close(got.cpu(), want, **tol)
         assert torch.equal(got.cpu()[70001:70010], a[70001:70010])   # a gap: unchanged
+        # every rank must get the same bits from the same operands (gather.py): no atomics
+        assert torch.equal(adasum_pair_(a.cuda(), b.cuda(), layers), got)
 
     def test_gradient_arrivals_are_timed_on_the_gpu(self):
         """The buckets' arrival clock times kernels when they run, not when they are queued:

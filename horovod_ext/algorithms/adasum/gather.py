@@ -9,8 +9,8 @@ allgather, which moves n - 1 times RVH's bytes, so the caller keeps this for sma
 The tree is the one RVH computes (ranks r >= p folded into r - p, then pairs at distance 1, 2,
 ..., each pair weighted by the ranks its two sides stand for: ``tree_divisors``), and every rank
 runs the same operations on the same operands in the same roles, so all ranks end with the same
-bits (the C kernels' sums have a fixed order on every CPU, and so have the torch code's that GPU
-tensors take: segment_reduce sums each segment in order, no atomics).
+bits (the C kernels' sums have a fixed order on every CPU, and so have the fused kernels' that
+CUDA tensors take, and the torch code's: fixed-order reductions and scans, no atomics).
 """
 from typing import List, Sequence, Tuple
 
