@@ -131,6 +131,64 @@ def inductor_options(**options):
         compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update = kept
 
 
+CHUNK = 16       # tensors per compiled call in lamb_in_chunks
+MANY = 200       # tensors of the many-tensor parameter set
+
+
+@contextlib.contextmanager
+def lamb_in_chunks():
+    """``hvd.Lamb``'s fused step on CHUNK tensors at a time, each passed as a flat alias
+    (``view(-1).detach()``: not a view, so Dynamo guards no base shape; it shares the version
+    counter) whose size is unbacked (no guards on sizes), tensors of one element apart: so that
+    a few compiled graphs serve any model, where one graph over all tensors takes longer to
+    compile the more tensors there are."""
+    from horovod_ext.algorithms import compiled, lamb as lamb_module
+    kept = lamb_module.fused_lamb_steps_
+    kernel = compiled.kernel(kept.eager)
+
+    def flat(ts):
+        out = [t.reshape(-1).detach() for t in ts]
+        for t in out:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        return out
+
+    def in_chunks(params, grads, exp_avgs, exp_avg_sqs, hyper, eps_inside_sqrt):
+        order = ([i for i, p in enumerate(params) if p.numel() > 1]
+                 + [i for i, p in enumerate(params) if p.numel() <= 1])
+        big = sum(1 for p in params if p.numel() > 1)
+        cuts = sorted(set(list(range(0, big, CHUNK)) + list(range(big, len(order), CHUNK))
+                          + [len(order)]))
+        coeffs = [None] * len(params)
+        for lo, hi in zip(cuts, cuts[1:]):
+            ids = order[lo:hi]
+            got = kernel(*(flat([ts[i] for i in ids]) for ts in (params, grads, exp_avgs,
+                                                                  exp_avg_sqs)),
+                         hyper, eps_inside_sqrt)
+            for i, c in zip(ids, got):
+                coeffs[i] = c
+        return coeffs
+    lamb_module.fused_lamb_steps_ = in_chunks
+    try:
+        yield
+    finally:
+        lamb_module.fused_lamb_steps_ = kept
+
+
+def many_parameters(count: int, device, tensors: int = MANY):
+    """About ``count`` parameters in ``tensors`` tensors of assorted shapes (matrices, vectors,
+    convolution kernels, single values), gradients set: a model's many small tensors."""
+    g = torch.Generator().manual_seed(1)
+    rows = max(2, count // tensors // gpu.WIDTH)
+    kinds = [(rows, gpu.WIDTH), (rows // 2 + 1, gpu.WIDTH), (gpu.WIDTH,), (64, 32, 3, 3), (1,)]
+    picks = torch.randint(len(kinds), (tensors,), generator=g).tolist()
+    params = []
+    for k in picks:
+        p = torch.nn.Parameter((torch.randn(kinds[k], generator=g) * 0.02).to(device))
+        p.grad = (torch.randn(kinds[k], generator=g) * 1e-3).to(device)
+        params.append(p)
+    return params
+
+
 COMBO = {"combo_kernels": True}                 # several tensors' kernels in one launch
 CPP = {"cpp_wrapper": True}                     # kernels launched from C++, not Python
 CPP_COMBO = {**CPP, **COMBO}
@@ -140,12 +198,12 @@ CHECK_PARAMS = 200_000   # parameters of the comparison with the plain torch cod
 CHECK_STEPS = 3
 
 
-def differs_from_plain(make, plain, device) -> float:
+def differs_from_plain(make, plain, device, parameters) -> float:
     """The largest difference, relative to each tensor's largest value, between parameters
     after CHECK_STEPS steps of ``make``'s optimizer and of ``plain``'s under the plain torch
     code (HOROVOD_FUSED_KERNELS=off), from the same start."""
     def run(maker):
-        params = gpu._parameters(CHECK_PARAMS, device)
+        params = parameters(CHECK_PARAMS, device)
         opt = maker(params)
         for _ in range(CHECK_STEPS):
             opt.step()
@@ -158,15 +216,18 @@ def differs_from_plain(make, plain, device) -> float:
 
 def measurements():
     """(name, what, options, make): ``make(args, device)`` returns the step to measure, under
-    the Inductor ``options`` (None: as shipped), and where the step has a plain torch code to
-    compare with, how far its results are from that code's (``differs_from_plain``)."""
+    the Inductor ``options`` (a dict; a function giving a context manager: another way to call
+    the kernels; None: as shipped), and where the step has a plain torch code to compare
+    with, a function saying how far its results are from that code's (``differs_from_plain``)."""
     import horovod_ext.torch as hvd
 
-    def optimizer(make, plain=None):
+    def optimizer(make, plain=None, many=False):
         def setup(args, device):
-            step = make(gpu._parameters(args.params, device)).step
-            diff = None if plain is None else differs_from_plain(make, plain, device)
-            return step, diff
+            def parameters(count, device):
+                return (many_parameters(count, device, args.many) if many
+                        else gpu._parameters(count, device))
+            step = make(parameters(args.params, device)).step
+            return step, plain and (lambda: differs_from_plain(make, plain, device, parameters))
         return setup
 
     def codec(which):
@@ -189,6 +250,12 @@ def measurements():
             ("lamb_cpp_combo", "hvd.Lamb, C++ wrapper and combo kernels", CPP_COMBO,
              optimizer(lamb, lamb)),
             ("lamb_split", "LAMB in two compiled passes", None, optimizer(LambSplit, lamb)),
+            ("lamb_chunked", f"hvd.Lamb, {CHUNK} flat tensors a compiled call", lamb_in_chunks,
+             optimizer(lamb, lamb)),
+            ("lamb_many", "hvd.Lamb, --many tensors", None,
+             optimizer(lamb, lamb, many=True)),
+            ("lamb_many_chunked", f"hvd.Lamb, --many tensors, {CHUNK} a compiled call",
+             lamb_in_chunks, optimizer(lamb, lamb, many=True)),
             ("slamb", "hvd.SLAMB, k = 0.1", None, optimizer(slamb, slamb)),
             ("slamb_cpp_combo", "hvd.SLAMB, C++ wrapper and combo kernels", CPP_COMBO,
              optimizer(slamb, slamb)),
@@ -209,6 +276,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5, help="profiled steps per optimizer")
     p.add_argument("--reps", type=int, default=10, help="timed steps per optimizer")
     p.add_argument("--mib", type=int, default=256, help="tensor of the codec rows")
+    p.add_argument("--many", type=int, default=MANY, help="tensors of the lamb_many rows")
     p.add_argument("--only", type=lambda v: v.split(","), default=None,
                    help="comma-separated names of the measurements to run")
     p.add_argument("--code", action="store_true", help="log Inductor's generated code")
@@ -231,11 +299,16 @@ def main(argv=None):
     for name, what, options, setup in measurements():
         if args.only and name not in args.only:
             continue
-        with inductor_options(**options) if options else contextlib.nullcontext():
-            step, diff = setup(args, device)
+        if options is None:
+            context = contextlib.nullcontext()
+        else:
+            context = inductor_options(**options) if isinstance(options, dict) else options()
+        with context:
+            step, check = setup(args, device)
             t0 = time.perf_counter()
             step()      # compiles the fused kernels, if any
             first_s = time.perf_counter() - t0
+            diff = check() if check else None
             found = profile_steps(step, args.steps, device)
             results.append({"name": name, "what": what, "first_step_s": first_s,
                             "max_rel_diff_from_plain": diff,
@@ -262,7 +335,7 @@ def main(argv=None):
     if os.path.isdir(out) or not out.endswith(".json"):
         out = os.path.join(out, "gpu_kernels.json")
     _spawn.write_report(out, {**about, "settings": {k: getattr(args, k) for k in (
-        "params", "mib", "steps", "reps")}, "measurements": results})
+        "params", "mib", "many", "steps", "reps")}, "measurements": results})
     return 0
 
 

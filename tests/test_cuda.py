@@ -479,3 +479,20 @@ def test_kernel_profile_runs_on_the_cpu(tmp_path):
     assert diffs[0] is None and diffs[2] is None     # no plain torch code to compare with
     assert 0 <= diffs[1] < 1e-5, diffs               # LAMB: the same step, summed in another order
     assert report["device"] == "cpu" and report["commit"]
+
+
+@pytest.mark.timeout(240)
+def test_kernel_profile_lamb_in_chunks_gives_the_plain_codes_parameters(tmp_path):
+    """gpu_kernels.py's chunked LAMB (flat unbacked aliases, 16 tensors a compiled call, one-
+    element tensors apart), compiled on the CPU here: after three steps its parameters are the
+    plain torch code's, over 20 tensors of assorted shapes (a chunk, a remainder, single values)."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_kernels.py"),
+                          "--device", "cpu", "--params", "20000", "--many", "20", "--steps", "1",
+                          "--reps", "1", "--only", "lamb_many_chunked", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=220, cwd=REPO,
+                         env=dict(os.environ, OMP_NUM_THREADS="1",
+                                  HOROVOD_FUSED_KERNELS="all"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "runs uncompiled" not in out.stdout + out.stderr    # compiled, within its limits
+    (row,) = json.loads((tmp_path / "gpu_kernels.json").read_text())["measurements"]
+    assert 0 <= row["max_rel_diff_from_plain"] < 1e-5, row
