@@ -260,30 +260,44 @@ def optimizer_rows(args, device, sync):
 BACK_TO_BACK = 10   # steps queued without synchronising, as a training loop queues them
 
 
+def timed_queued(fn, reps: int, sync):
+    """Seconds per call of ``fn`` with BACK_TO_BACK calls queued before one synchronisation,
+    ``reps`` times: where launching overlaps the device's work, as in training."""
+    return [t / BACK_TO_BACK for t in timed(lambda: [fn() for _ in range(BACK_TO_BACK)], reps,
+                                            sync)]
+
+
+@contextlib.contextmanager
+def inductor_options(**options):
+    """The fused LAMB and SLAMB kernels compiled afresh with these Inductor options added."""
+    from horovod_ext.algorithms import compiled, lamb as lamb_module
+    from horovod_ext.algorithms.slamb import update as slamb_update
+    kept = compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update
+    compiled._OPTIONS = {**kept[0], **options}
+    lamb_module.fused_lamb_steps_ = compiled.kernel(kept[1].eager)
+    slamb_update._fused_update = compiled.kernel(kept[2].eager)
+    try:
+        yield
+    finally:
+        compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update = kept
+
+
 def back_to_back_rows(args, device, sync):
     """Fused Adam and hvd.Lamb with BACK_TO_BACK steps queued before one synchronisation, per
     step: where launching overlaps the device's work, as in training; and hvd.Lamb so with
     Inductor's combo kernels (several tensors' kernels in one launch), to measure that option."""
     import horovod_ext.torch as hvd
-    from horovod_ext.algorithms import compiled, lamb as lamb_module
-
-    def per_step(opt):
-        times = timed(lambda: [opt.step() for _ in range(BACK_TO_BACK)], args.reps, sync)
-        return [t / BACK_TO_BACK for t in times]
     params = _parameters(args.params, device)
     adam = row("adam_fused_queued", f"torch Adam, fused=True, {BACK_TO_BACK} steps queued",
-               per_step(torch.optim.Adam(params, fused=True)))
+               timed_queued(torch.optim.Adam(params, fused=True).step, args.reps, sync))
     base = ("adam_fused_queued", adam)
     rows = [adam, row("lamb_queued", f"hvd.Lamb, {BACK_TO_BACK} steps queued",
-                      per_step(hvd.Lamb(params)), None, base, ("<=", 1.5))]
-    kernel, options = lamb_module.fused_lamb_steps_, compiled._OPTIONS
-    compiled._OPTIONS = {**options, "combo_kernels": True}
-    lamb_module.fused_lamb_steps_ = compiled.kernel(kernel.eager)
-    try:
+                      timed_queued(hvd.Lamb(params).step, args.reps, sync), None, base,
+                      ("<=", 1.5))]
+    with inductor_options(combo_kernels=True):
         rows.append(row("lamb_queued_combo", f"hvd.Lamb, combo kernels, {BACK_TO_BACK} steps "
-                        f"queued", per_step(hvd.Lamb(params)), None, base, ("<=", 1.5)))
-    finally:
-        compiled._OPTIONS, lamb_module.fused_lamb_steps_ = options, kernel
+                        f"queued", timed_queued(hvd.Lamb(params).step, args.reps, sync), None,
+                        base, ("<=", 1.5)))
     return rows
 
 

@@ -33,7 +33,6 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 TOP = 8   # kernels (and host ops) listed per measurement
 ANNOTATIONS = ("Optimizer.", "ProfilerStep")
-QUEUED = 10   # steps queued before one synchronisation (as a training loop queues them)
 gpu = _spawn.sibling("gpu")   # the same parameters, description and timing
 
 
@@ -116,21 +115,6 @@ class LambSplit:
         self.apply(self.params, self.m, self.v, coeffs, bc1, bc2, 1e-3)
 
 
-@contextlib.contextmanager
-def inductor_options(**options):
-    """The fused LAMB and SLAMB kernels compiled afresh with these Inductor options added."""
-    from horovod_ext.algorithms import compiled, lamb as lamb_module
-    from horovod_ext.algorithms.slamb import update as slamb_update
-    kept = compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update
-    compiled._OPTIONS = {**kept[0], **options}
-    lamb_module.fused_lamb_steps_ = compiled.kernel(kept[1].eager)
-    slamb_update._fused_update = compiled.kernel(kept[2].eager)
-    try:
-        yield
-    finally:
-        compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update = kept
-
-
 CHUNK = 16       # tensors per compiled call in lamb_in_chunks
 MANY = 200       # tensors of the many-tensor parameter set
 
@@ -153,19 +137,16 @@ def lamb_in_chunks():
         return out
 
     def in_chunks(params, grads, exp_avgs, exp_avg_sqs, hyper, eps_inside_sqrt):
-        order = ([i for i, p in enumerate(params) if p.numel() > 1]
-                 + [i for i, p in enumerate(params) if p.numel() <= 1])
-        big = sum(1 for p in params if p.numel() > 1)
-        cuts = sorted(set(list(range(0, big, CHUNK)) + list(range(big, len(order), CHUNK))
-                          + [len(order)]))
         coeffs = [None] * len(params)
-        for lo, hi in zip(cuts, cuts[1:]):
-            ids = order[lo:hi]
-            got = kernel(*(flat([ts[i] for i in ids]) for ts in (params, grads, exp_avgs,
-                                                                  exp_avg_sqs)),
-                         hyper, eps_inside_sqrt)
-            for i, c in zip(ids, got):
-                coeffs[i] = c
+        for single in (False, True):   # one-element tensors apart: their size specialises
+            group = [i for i, p in enumerate(params) if (p.numel() <= 1) == single]
+            for lo in range(0, len(group), CHUNK):
+                ids = group[lo:lo + CHUNK]
+                got = kernel(*(flat([ts[i] for i in ids]) for ts in (params, grads, exp_avgs,
+                                                                      exp_avg_sqs)),
+                             hyper, eps_inside_sqrt)
+                for i, c in zip(ids, got):
+                    coeffs[i] = c
         return coeffs
     lamb_module.fused_lamb_steps_ = in_chunks
     try:
@@ -263,12 +244,6 @@ def measurements():
             ("onebit_decompress", "1-bit decompress, --mib MiB", None, codec("decompress"))]
 
 
-def queued_ms(step, reps: int, sync) -> float:
-    """Median time per step of QUEUED steps launched before one synchronisation, in ms."""
-    times = gpu.timed(lambda: [step() for _ in range(QUEUED)], reps, sync)
-    return statistics.median(times) * 1e3 / QUEUED
-
-
 def main(argv=None):
     p = _spawn.parser(__doc__, "gpu_kernels.json")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
@@ -302,7 +277,8 @@ def main(argv=None):
         if options is None:
             context = contextlib.nullcontext()
         else:
-            context = inductor_options(**options) if isinstance(options, dict) else options()
+            context = (gpu.inductor_options(**options) if isinstance(options, dict)
+                       else options())
         with context:
             step, check = setup(args, device)
             t0 = time.perf_counter()
@@ -313,7 +289,8 @@ def main(argv=None):
             results.append({"name": name, "what": what, "first_step_s": first_s,
                             "max_rel_diff_from_plain": diff,
                             "wall_ms": wall_ms(step, args.reps, sync),
-                            "queued_ms": queued_ms(step, args.reps, sync), **found})
+                            "queued_ms": statistics.median(
+                                gpu.timed_queued(step, args.reps, sync)) * 1e3, **found})
         del step
     hvd.shutdown()
     print(f"{about['name']} ({about['device']}): torch {about['torch']}; commit "
