@@ -272,14 +272,14 @@ def inductor_options(**options):
     """The fused LAMB and SLAMB kernels compiled afresh with these Inductor options added."""
     from horovod_ext.algorithms import compiled, lamb as lamb_module
     from horovod_ext.algorithms.slamb import update as slamb_update
-    kept = compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update
+    kept = compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_updates
     compiled._OPTIONS = {**kept[0], **options}
     lamb_module.fused_lamb_steps_ = compiled.kernel(kept[1].eager)
-    slamb_update._fused_update = compiled.kernel(kept[2].eager)
+    slamb_update._fused_updates = compiled.kernel(kept[2].eager)
     try:
         yield
     finally:
-        compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_update = kept
+        compiled._OPTIONS, lamb_module.fused_lamb_steps_, slamb_update._fused_updates = kept
 
 
 def back_to_back_rows(args, device, sync):

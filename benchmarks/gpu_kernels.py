@@ -155,6 +155,19 @@ def lamb_in_chunks():
         lamb_module.fused_lamb_steps_ = kept
 
 
+@contextlib.contextmanager
+def slamb_per_tensor():
+    """``hvd.SLAMB``'s fused update in one compiled call per tensor instead of per chunk of
+    tensors."""
+    from horovod_ext.algorithms.slamb import update as slamb_update
+    kept = slamb_update.CHUNK
+    slamb_update.CHUNK = 1
+    try:
+        yield
+    finally:
+        slamb_update.CHUNK = kept
+
+
 def many_parameters(count: int, device, tensors: int = MANY):
     """About ``count`` parameters in ``tensors`` tensors of assorted shapes (matrices, vectors,
     convolution kernels, single values), gradients set: a model's many small tensors."""
@@ -238,6 +251,11 @@ def measurements():
             ("lamb_many_chunked", f"hvd.Lamb, --many tensors, {CHUNK} a compiled call",
              lamb_in_chunks, optimizer(lamb, lamb, many=True)),
             ("slamb", "hvd.SLAMB, k = 0.1", None, optimizer(slamb, slamb)),
+            ("slamb_per_tensor", "hvd.SLAMB, a compiled call per tensor", slamb_per_tensor,
+             optimizer(slamb, slamb)),
+            ("slamb_many", "hvd.SLAMB, --many tensors", None, optimizer(slamb, slamb, many=True)),
+            ("slamb_many_per_tensor", "hvd.SLAMB, --many tensors, a compiled call per tensor",
+             slamb_per_tensor, optimizer(slamb, slamb, many=True)),
             ("slamb_cpp_combo", "hvd.SLAMB, C++ wrapper and combo kernels", CPP_COMBO,
              optimizer(slamb, slamb)),
             ("onebit_compress", "1-bit compress, --mib MiB", None, codec("compress")),

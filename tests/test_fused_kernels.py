@@ -203,29 +203,41 @@ def test_the_onebit_op_over_two_ranks_fused_as_unfused():
 @pytest.mark.usefixtures("fused_everywhere")
 @pytest.mark.parametrize("scaling", ["simplified", "algorithm"])
 def test_the_fused_slamb_update_gives_the_torch_codes_values(scaling):
-    """SLAMB's lines 10-19 for one tensor, fused against ``torch_update_``: a tensor synchronised
-    in full (no index) and one with a tenth of its elements selected, three steps each."""
-    from horovod_ext.algorithms.slamb.update import fused_update_, torch_update_
+    """SLAMB's lines 10-19, fused, for a group's tensors in one call, against ``torch_update_``
+    tensor by tensor: one tensor synchronised in full (no index), one with a tenth of its
+    elements selected, one of another group (its own call), three steps."""
+    from horovod_ext.algorithms.slamb.update import fused_updates_, torch_update_
     group = dict(betas=(0.9, 0.999), beta3=0.9, eps=1e-6, weight_decay=0.01, lr=0.01,
                  min_coeff=0.01, max_coeff=10.0, bias_correction=True, eps_inside_sqrt=False)
+    other = dict(group, lr=0.003, weight_decay=0.0)
     g = torch.Generator().manual_seed(5)
-    for selected in (None, torch.randperm(600, generator=g)[:60].sort().values):
-        p = torch.randn(20, 30, generator=g)
-        states = [{"exp_avg": torch.zeros(20, 30), "exp_avg_sq": torch.zeros(20, 30),
-                   "staleness": torch.ones(20, 30), "step": 0} for _ in range(2)]
-        params = [p.clone(), p.clone()]
-        for step in range(3):
-            grad = torch.randn(20, 30, generator=g)
-            for state, q in zip(states, params):
+    shapes = [(20, 30), (20, 30), (7, 11)]
+    selected = [None, torch.randperm(600, generator=g)[:60].sort().values,
+                torch.randperm(77, generator=g)[:9].sort().values]
+    groups = [group, group, other]
+    start = [torch.randn(shape, generator=g) for shape in shapes]
+
+    def fresh():
+        return ([p.clone() for p in start],
+                [{"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p),
+                  "staleness": torch.ones_like(p), "step": 0} for p in start])
+    (fused, fused_states), (plain, plain_states) = fresh(), fresh()
+    for step in range(3):
+        grads = [torch.randn(shape, generator=g) for shape in shapes]
+        for states in (fused_states, plain_states):
+            for state, grad in zip(states, grads):
                 state["step"] += 1
                 state["exp_avg"].mul_(0.9).add_(grad, alpha=0.1)
-            assert fused_update_(params[0], grad, selected, states[0], group, 2, scaling)
-            torch_update_(params[1], grad, selected, states[1], group, 2, scaling)
-            what = f"{scaling}, {'full' if selected is None else 'selected'}, step {step + 1}"
-            torch.testing.assert_close(params[0], params[1], rtol=1e-5, atol=1e-7, msg=what)
+        items = list(zip(fused, grads, selected, fused_states, groups))
+        assert fused_updates_(items, 2, scaling) == []
+        for p, grad, idx, state, grp in zip(plain, grads, selected, plain_states, groups):
+            torch_update_(p, grad, idx, state, grp, 2, scaling)
+        for k in range(len(shapes)):
+            what = f"{scaling}, tensor {k}, step {step + 1}"
+            torch.testing.assert_close(fused[k], plain[k], rtol=1e-5, atol=1e-7, msg=what)
             for key in ("exp_avg_sq", "staleness"):
-                torch.testing.assert_close(states[0][key], states[1][key], rtol=1e-6, atol=0,
-                                           msg=what)
+                torch.testing.assert_close(fused_states[k][key], plain_states[k][key],
+                                           rtol=1e-6, atol=0, msg=what)
 
 
 @pytest.mark.timeout(300)

@@ -7,6 +7,7 @@ CPU tensors (``HOROVOD_FUSED_KERNELS=all``).  Shapes are dynamic: one compilatio
 size.  Where compiling fails (no compiler, a Triton that cannot build for this GPU) the function
 runs uncompiled, with one warning: slower, the same values.
 """
+import contextlib
 import functools
 import logging
 import os
@@ -15,6 +16,7 @@ import types
 
 import torch
 import torch._dynamo
+import torch.fx.experimental._config as fx_config
 
 from horovod_ext import config
 
@@ -58,10 +60,14 @@ def _clone(fn):
                               fn.__defaults__, fn.__closure__)
 
 
-def kernel(fn):
+def kernel(fn, duck_shapes: bool = True):
     """``fn`` compiled at its first call with each signature (``fn.eager`` stays the
-    uncompiled function)."""
+    uncompiled function); ``duck_shapes``: Dynamo's default of one symbol for equal sizes."""
     made = {}
+    # duck_shapes=False: equal sizes get symbols of their own, so that a graph compiled for
+    # one list of tensors serves another of other sizes (no guard that two sizes are equal)
+    shapes = (contextlib.nullcontext if duck_shapes
+              else lambda: fx_config.patch(use_duck_shape=False))
 
     @functools.wraps(fn)
     def run(*args):
@@ -76,7 +82,8 @@ def kernel(fn):
         if compiled is fn:
             return fn(*args)
         try:
-            return compiled(*args)
+            with shapes():
+                return compiled(*args)
         except _COMPILE_ERRORS as exc:  # the same function, uncompiled
             _LOG.warning("horovod_ext: torch.compile of %s failed (%s: %s); it runs uncompiled",
                          fn.__name__, type(exc).__name__, str(exc).splitlines()[0][:200])

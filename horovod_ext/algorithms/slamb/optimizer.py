@@ -60,7 +60,7 @@ from horovod_ext.backends.topology import Topology
 from .arguments import check_slamb_args
 from .layout import backward_buckets, mask_pieces
 from .sparse import SMALL_TENSOR_NUMEL, flat_average_, masked_average_
-from .update import fused_update_, native_update_, torch_update_
+from .update import fused_updates_, native_update_, torch_update_
 
 
 def _remove_hooks(handles) -> None:
@@ -361,11 +361,12 @@ class SLAMB(torch.optim.Optimizer):
         self.comm_seconds += waited
         self.bytes_sent += self.last_step_bytes
         n = layout["n"]
-        for (p, group), g, i in zip(params, grads, layout["local_idx"]):
-            state = self.state[p]
+        items = [(p, g, i, self.state[p], group)
+                 for (p, group), g, i in zip(params, grads, layout["local_idx"])]
+        for *_, state, _ in items:
             state["step"] += 1
-            if fused_update_(p, g, i, state, group, n, self.scaling):         # lines 10-19
-                continue
+        for k in fused_updates_(items, n, self.scaling):                       # lines 10-19
+            p, g, i, state, group = items[k]
             if not (self.native_kernels
                     and native_update_(p, g, i, state, group, n, self.scaling)):
                 torch_update_(p, g, i, state, group, n, self.scaling)

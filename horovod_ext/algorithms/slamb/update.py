@@ -1,12 +1,12 @@
 """SLAMB's per-tensor update, Algorithm 1 lines 10-19 (see ``slamb.optimizer``): the second
 moment, the staleness ``c``, the LAMB direction ``u`` and the step ``x -= eta~ phi~ u`` (with
-``/ ||u||`` for ``scaling="algorithm"``): in torch ops (``update_``), compiled as a fused kernel
-on CUDA tensors, or in the C kernels' two passes where they can take the tensor.  The
+``/ ||u||`` for ``scaling="algorithm"``): in torch ops (``update_``), compiled as fused kernels
+on CUDA tensors (all of a parameter group's tensors in one call: ``fused_updates_``), or in the C kernels' two passes where they can take the tensor.  The
 per-element coefficient ``eta~ phi~`` is a quadratic in ``c`` whose three terms both paths take
 from ``coefficient_terms``.
 """
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -101,7 +101,20 @@ def update_(p, g, m, v, c, idx: Optional[torch.Tensor], hyper: Tuple[float, ...]
     p.addcmul_(u, coefficients(p, u, c, idx, bounds, n, scaling), value=-1.0)   # 14-19
 
 
-_fused_update = compiled.kernel(update_)
+def updates_(ps, gs, ms, vs, cs, idxs, hyper: Tuple[float, ...], eps_inside_sqrt: bool, n: int,
+             scaling: str) -> None:
+    """``update_`` of tensors alike in device and hyper-parameters: one compiled call for all
+    of them (a call's own host work, guards and arguments, is paid once per step, not per
+    tensor)."""
+    for p, g, m, v, c, idx in zip(ps, gs, ms, vs, cs, idxs):
+        update_(p, g, m, v, c, idx, hyper, eps_inside_sqrt, n, scaling)
+
+
+_fused_updates = compiled.kernel(updates_, duck_shapes=False)
+# Tensors per compiled call: a call's host work is paid once for all of them, and chunks alike
+# in length and kind (masked or not) share one compiled graph, where one graph over all of a
+# model's tensors would take longer to compile the more tensors there are.
+CHUNK = 16
 
 
 def native_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
@@ -128,12 +141,38 @@ def native_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor]
     return True
 
 
-def fused_update_(p: torch.Tensor, g: torch.Tensor, idx: Optional[torch.Tensor],
-                  state: Dict[str, Any], group: Dict[str, Any], n: int, scaling: str) -> bool:
-    """``torch_update_`` compiled as a fused kernel; False (nothing done) where the fused kernels
-    do not serve the tensor."""
-    if not (compiled.used_for(p) and p.is_contiguous() and g.is_contiguous()):
-        return False
-    _fused_update(p, g, state["exp_avg"], state["exp_avg_sq"], state["staleness"], idx,
-                  _hyper(state, group), bool(group["eps_inside_sqrt"]), n, scaling)
-    return True
+def fused_updates_(items: List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                                      Dict[str, Any], Dict[str, Any]]],
+                   n: int, scaling: str) -> List[int]:
+    """Lines 10-19 as fused kernels for the ``items`` (p, g, idx, state, group) they serve, in
+    compiled calls of up to CHUNK tensors that share a device, a parameter group and a step;
+    returns the indices of the items left to the other paths.  ``state["step"]`` already
+    counts this step."""
+    sets: Dict[tuple, List[int]] = {}
+    left = []
+    for k, (p, g, idx, state, group) in enumerate(items):
+        if compiled.used_for(p) and p.is_contiguous() and g.is_contiguous():
+            # masked tensors apart from the others, and one-element ones (their size
+            # specialises): chunks alike share a compiled graph
+            kind = (idx is None, p.numel() <= 1)
+            sets.setdefault((p.device, id(group), state["step"], kind), []).append(k)
+        else:
+            left.append(k)
+    for members in sets.values():
+        for lo in range(0, len(members), CHUNK):
+            _fused_chunk([items[k] for k in members[lo:lo + CHUNK]], n, scaling)
+    return left
+
+
+def _fused_chunk(chosen, n: int, scaling: str) -> None:
+    """One compiled call over ``chosen`` (p, g, idx, state, group), the tensors passed as flat
+    aliases (``reshape(-1).detach()``: one dimension whatever the shape, and no view for Dynamo
+    to guard the base of)."""
+    def flat(ts):
+        return [t.reshape(-1).detach() for t in ts]
+    states = [s for *_, s, _ in chosen]
+    _, _, _, state, group = chosen[0]
+    _fused_updates(flat(p for p, *_ in chosen), flat(g for _, g, *_ in chosen),
+                   flat(s["exp_avg"] for s in states), flat(s["exp_avg_sq"] for s in states),
+                   flat(s["staleness"] for s in states), [i for _, _, i, *_ in chosen],
+                   _hyper(state, group), bool(group["eps_inside_sqrt"]), n, scaling)
