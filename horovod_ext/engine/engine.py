@@ -8,7 +8,7 @@ that a caller is blocked on, starts a cycle at once, which keeps a lone synchron
 near one network round trip.  Requests submitted with ``wake=NEXT_CYCLE`` (gradients from
 backward hooks) start a cycle one cycle time after the first of them arrives: later gradients
 of the same backward pass join it, and the reductions overlap the rest of the backward pass.
-Idle ranks cycle every ``IDLE_CYCLE_S`` to serve their peers.
+Idle ranks cycle to serve their peers, less often while every rank is idle (idle_pace.py).
 """
 import faulthandler
 import logging
@@ -27,13 +27,12 @@ from . import wire
 from .execution import Executor, zeros_request
 from .fast_lane import CachedAllreduce, Key, Plans
 from .fusion import plan_batches
+from .idle_pace import IdlePace
 from .negotiation import Negotiator, Ready
 from .requests import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request
 from .waiting import Waiters
 
 log = logging.getLogger("horovod_ext")
-
-IDLE_CYCLE_S = 0.01
 # A failed peer says why on the heartbeat channel before it closes anything, but that channel's
 # thread may not have run yet: a rank that finds a peer closed waits this long for the notice.
 PEER_NOTICE_GRACE_S = 0.5
@@ -57,6 +56,7 @@ class Engine:
         # Replicated on every rank, updated identically from the gathered messages:
         self._negotiator = Negotiator(self.rank, self.size, config)
         self._last_round_active = False
+        self._idle = IdlePace()
         self.shutdown_errors: List[str] = []   # names left unmatched, reported by shutdown()
         self.stats = {"cycles": 0, "cache_hits": 0, "announced": 0, "fused_buffers": 0,
                       "fast_lane": 0}
@@ -107,8 +107,7 @@ class Engine:
             # hand-offs less); the background thread sleeps on, not contending for the GIL.
             try:
                 with self._cond:
-                    fresh = (bool(self._new) and not self._stopped
-                             and not self._shutdown_requested)
+                    fresh = bool(self._new) and not (self._stopped or self._shutdown_requested)
                     self._caller_cycle = fresh
                 if fresh and not handle.done():
                     self._locked_cycle(caller_blocked=True)
@@ -246,8 +245,7 @@ class Engine:
         self._run_round(lambda: self._cycle(new, shutdown, caller_blocked))
 
     def _run_round(self, round_fn: Callable[[], bool]):
-        """Run a cycle's work; it returns True when the engine should stop.  Failures reach
-        every waiting handle."""
+        """Run a cycle's work (True: the engine should stop); failures reach every handle."""
         try:
             stop = round_fn()
         except BaseException as exc:  # noqa: B902 - any failure must reach the waiting callers
@@ -276,7 +274,7 @@ class Engine:
 
     def _next_cycle_at(self, busy: bool) -> float:
         return (max(self._last_end + self._cycle_s, self._not_before) if busy
-                else self._last_end + IDLE_CYCLE_S)
+                else self._last_end + self._idle.interval)
 
     def _sleep_time(self) -> Optional[float]:
         if self._caller_cycle:
@@ -300,6 +298,8 @@ class Engine:
         messages = self.control.agree(message, caller_blocked)
         self.stats["cycles"] += 1
         only_cached = not announce and not shutdown and not aborts
+        self._idle.after_round(messages is None and only_cached and not cache_ids,
+                               self._negotiator.settled())
         return self._after_round(message, messages, cache_ids if only_cached else None)
 
     def _after_round(self, message: bytes, messages: Optional[List[bytes]],
