@@ -10,18 +10,18 @@ from tests.harness import run_ranks
 IDLE_S = 0.8
 
 
-def test_the_interval_doubles_while_everyone_is_idle_and_resets_at_anything_else():
+def test_the_interval_doubles_while_the_ranks_agree_and_resets_at_anything_else():
     from horovod_ext.engine.idle_pace import IDLE_CYCLE_S, IDLE_MAX_S, IdlePace
     pace = IdlePace()
     seen = []
     for _ in range(8):
-        pace.after_round(nothing_sent=True, settled=True)
+        pace.after_round(agreed=True, settled=True)
         seen.append(pace.interval)
     assert seen[0] == 2 * IDLE_CYCLE_S and seen[-1] == IDLE_MAX_S
     assert seen == sorted(seen)
-    for nothing_sent, settled in ((False, True), (True, False)):
-        pace.after_round(nothing_sent=True, settled=True)
-        pace.after_round(nothing_sent, settled)
+    for agreed, settled in ((False, True), (True, False)):
+        pace.after_round(agreed=True, settled=True)
+        pace.after_round(agreed, settled)
         assert pace.interval == IDLE_CYCLE_S
 
 

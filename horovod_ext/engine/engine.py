@@ -298,8 +298,7 @@ class Engine:
         messages = self.control.agree(message, caller_blocked)
         self.stats["cycles"] += 1
         only_cached = not announce and not shutdown and not aborts
-        self._idle.after_round(messages is None and only_cached and not cache_ids,
-                               self._negotiator.settled())
+        self._idle.after_round(messages is None, self._negotiator.settled())
         return self._after_round(message, messages, cache_ids if only_cached else None)
 
     def _after_round(self, message: bytes, messages: Optional[List[bytes]],
