@@ -122,8 +122,8 @@ MANY = 200       # tensors of the many-tensor parameter set
 @contextlib.contextmanager
 def lamb_in_chunks():
     """``hvd.Lamb``'s fused step on CHUNK tensors at a time, each passed as a flat alias
-    (``view(-1).detach()``: not a view, so Dynamo guards no base shape; it shares the version
-    counter) whose size is unbacked (no guards on sizes), tensors of one element apart: so that
+    (``compiled.flat_aliases``) whose size is unbacked (no guards on sizes), tensors of one
+    element apart: so that
     a few compiled graphs serve any model, where one graph over all tensors takes longer to
     compile the more tensors there are."""
     from horovod_ext.algorithms import compiled, lamb as lamb_module
@@ -131,7 +131,7 @@ def lamb_in_chunks():
     kernel = compiled.kernel(kept.eager)
 
     def flat(ts):
-        out = [t.reshape(-1).detach() for t in ts]
+        out = compiled.flat_aliases(ts)
         for t in out:
             torch._dynamo.decorators.mark_unbacked(t, 0)
         return out

@@ -41,6 +41,14 @@ def used_for(t: torch.Tensor) -> bool:
     return where == "all" or (where == "cuda" and t.is_cuda)
 
 
+def flat_aliases(tensors) -> list:
+    """Each tensor as a one-dimensional alias of its memory (``reshape(-1).detach()`` of a
+    contiguous tensor: not a view, so Dynamo guards no base shape, and it shares the version
+    counter), for a kernel that takes lists of tensors of any shapes: one graph whatever their
+    number of dimensions."""
+    return [t.reshape(-1).detach() for t in tensors]
+
+
 def _signature(args) -> tuple:
     """What a compiled kernel is specialised on besides sizes: dtypes, devices, which optional
     arguments are None, how long lists are."""

@@ -1,9 +1,10 @@
 """SLAMB's per-tensor update, Algorithm 1 lines 10-19 (see ``slamb.optimizer``): the second
 moment, the staleness ``c``, the LAMB direction ``u`` and the step ``x -= eta~ phi~ u`` (with
 ``/ ||u||`` for ``scaling="algorithm"``): in torch ops (``update_``), compiled as fused kernels
-on CUDA tensors (all of a parameter group's tensors in one call: ``fused_updates_``), or in the C kernels' two passes where they can take the tensor.  The
-per-element coefficient ``eta~ phi~`` is a quadratic in ``c`` whose three terms both paths take
-from ``coefficient_terms``.
+on CUDA tensors (up to CHUNK tensors of a parameter group in one call: ``fused_updates_``), or
+in the C kernels' two passes where they can take the tensor.  The per-element coefficient
+``eta~ phi~`` is a quadratic in ``c`` whose three terms both paths take from
+``coefficient_terms``.
 """
 import math
 from typing import Any, Dict, List, Optional, Tuple
@@ -166,13 +167,10 @@ def fused_updates_(items: List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.
 
 def _fused_chunk(chosen, n: int, scaling: str) -> None:
     """One compiled call over ``chosen`` (p, g, idx, state, group), the tensors passed as flat
-    aliases (``reshape(-1).detach()``: one dimension whatever the shape, and no view for Dynamo
-    to guard the base of)."""
-    def flat(ts):
-        return [t.reshape(-1).detach() for t in ts]
-    states = [s for *_, s, _ in chosen]
-    _, _, _, state, group = chosen[0]
-    _fused_updates(flat(p for p, *_ in chosen), flat(g for _, g, *_ in chosen),
-                   flat(s["exp_avg"] for s in states), flat(s["exp_avg_sq"] for s in states),
-                   flat(s["staleness"] for s in states), [i for _, _, i, *_ in chosen],
-                   _hyper(state, group), bool(group["eps_inside_sqrt"]), n, scaling)
+    aliases (one graph whatever their shapes)."""
+    ps, gs, idxs, states, groups = zip(*chosen)
+    flat = compiled.flat_aliases
+    _fused_updates(flat(ps), flat(gs), flat(s["exp_avg"] for s in states),
+                   flat(s["exp_avg_sq"] for s in states), flat(s["staleness"] for s in states),
+                   list(idxs), _hyper(states[0], groups[0]), bool(groups[0]["eps_inside_sqrt"]),
+                   n, scaling)
