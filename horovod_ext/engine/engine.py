@@ -8,7 +8,7 @@ that a caller is blocked on, starts a cycle at once, which keeps a lone synchron
 near one network round trip.  Requests submitted with ``wake=NEXT_CYCLE`` (gradients from
 backward hooks) start a cycle one cycle time after the first of them arrives: later gradients
 of the same backward pass join it, and the reductions overlap the rest of the backward pass.
-Idle ranks cycle to serve their peers, less often while every rank is idle (idle_pace.py).
+An idle rank cycles rarely, to learn of a peer's shutdown or aborts (idle_pace.py).
 """
 import faulthandler
 import logging
@@ -27,7 +27,7 @@ from . import wire
 from .execution import Executor, zeros_request
 from .fast_lane import CachedAllreduce, Key, Plans
 from .fusion import plan_batches
-from .idle_pace import IdlePace
+from .idle_pace import IDLE_CYCLE_S
 from .negotiation import Negotiator, Ready
 from .requests import JOIN_NAME, NEXT_CYCLE, Handle, HorovodInternalError, Request
 from .waiting import Waiters
@@ -56,7 +56,6 @@ class Engine:
         # Replicated on every rank, updated identically from the gathered messages:
         self._negotiator = Negotiator(self.rank, self.size, config)
         self._last_round_active = False
-        self._idle = IdlePace()
         self.shutdown_errors: List[str] = []   # names left unmatched, reported by shutdown()
         self.stats = {"cycles": 0, "cache_hits": 0, "announced": 0, "fused_buffers": 0,
                       "fast_lane": 0}
@@ -274,7 +273,7 @@ class Engine:
 
     def _next_cycle_at(self, busy: bool) -> float:
         return (max(self._last_end + self._cycle_s, self._not_before) if busy
-                else self._last_end + self._idle.interval)
+                else self._last_end + IDLE_CYCLE_S)
 
     def _sleep_time(self) -> Optional[float]:
         if self._caller_cycle:
@@ -298,7 +297,6 @@ class Engine:
         messages = self.control.agree(message, caller_blocked)
         self.stats["cycles"] += 1
         only_cached = not announce and not shutdown and not aborts
-        self._idle.after_round(messages is None, self._negotiator.settled())
         return self._after_round(message, messages, cache_ids if only_cached else None)
 
     def _after_round(self, message: bytes, messages: Optional[List[bytes]],
