@@ -1,5 +1,6 @@
 """Gradient buckets cut from measured times (horovod_ext/torch/bucket_timing.py): the dynamic
-programme against every possible cut, by brute force, on random arrivals, sizes and costs."""
+programme against every possible cut, by brute force, on random arrivals, sizes and costs; the
+arrival times of several backward passes combined; a slowed pass's cut."""
 import itertools
 import random
 
@@ -53,10 +54,13 @@ def test_cut_is_the_earliest_plan(seed):
     plans = [g for g in every_plan(n) if allowed(g, nbytes, kinds, cap)]
     best = min(finish(g, arrivals, nbytes, alpha, beta) for g in plans)
     assert finish(got, arrivals, nbytes, alpha, beta) == pytest.approx(best, rel=1e-9, abs=1e-12)
+    faster = [a / bt.FASTER for a in arrivals]
     for k in range(len(got) - 1):   # no neighbours merge without a later finish
         merged = got[:k] + [got[k] + got[k + 1]] + got[k + 2:]
-        if allowed(merged, nbytes, kinds, cap):
-            assert finish(merged, arrivals, nbytes, alpha, beta) > best * (1 + 1e-12)
+        if allowed(merged, nbytes, kinds, cap):    # on the measured or on a faster backward
+            assert finish(merged, arrivals, nbytes, alpha, beta) > best * (1 + 1e-12) or \
+                finish(merged, faster, nbytes, alpha, beta) > \
+                finish(got, faster, nbytes, alpha, beta) * (1 + 1e-12)
     assert bt.finish_time(got, arrivals, nbytes, cost) == pytest.approx(
         finish(got, arrivals, nbytes, alpha, beta), rel=1e-12)
 
@@ -103,3 +107,37 @@ def test_host_clock_counts_from_the_first_arrival():
     seconds = clock.seconds(stamps)
     assert seconds[0] == 0 and seconds == sorted(seconds)
     assert seconds[2] == pytest.approx(stamps[2] - stamps[0])
+
+
+@pytest.mark.timeout(60)
+def test_each_gradient_takes_its_median_over_the_passes():
+    """A pass ten times as long as the others changes nothing; the order follows the medians
+    (gradients 1 and 2 swap places between passes)."""
+    usual = {3: 0.0, 2: 0.001, 1: 0.004, 0: 0.007}
+    slowed = {3: 0.0, 2: 0.012, 1: 0.085, 0: 0.121}
+    swapped = {3: 0.0, 1: 0.0035, 2: 0.0045, 0: 0.006}
+    passes = [usual, slowed, swapped]
+    order, times = bt.median_arrivals(passes)
+    medians = {i: sorted(p[i] for p in passes)[1] for i in usual}   # the middle of three
+    assert medians == {3: 0.0, 2: 0.0045, 1: 0.004, 0: 0.007}
+    assert order == [3, 1, 2, 0]
+    assert times == [medians[i] for i in order]
+    assert bt.median_arrivals([usual]) == ([3, 2, 1, 0], [0.0, 0.001, 0.004, 0.007])
+
+
+@pytest.mark.timeout(60)
+def test_a_slowed_backward_keeps_the_early_bucket_apart():
+    """The CNN of examples/fashion_mnist.py at 1 Gbit/s, arrival times of a pass slowed about
+    ten times: its gaps hide every reduction but the last, so the measured times alone would
+    merge the first layer's 0.8 MB with the convolutions'; the usual, faster backward needs
+    them apart, to reduce fc1's gradients during the convolutions' backward."""
+    arrivals = [0.0, 0.00007, 0.0128, 0.0129, 0.0827, 0.0828, 0.1170, 0.1171]
+    nbytes = [40, 5120, 512, 802816, 51200, 128, 1600, 64]
+    cost = bt.LinkCost(0.00087, 1.25e-8)
+    got = bt.cut(arrivals, nbytes, ["a"] * 8, cost, 25 << 20)
+    assert any(g[-1] == 3 for g in got), got            # a bucket ends with fc1's weight
+    faster = [a / bt.FASTER for a in arrivals]
+    assert bt.finish_time(got, faster, nbytes, cost) < bt.finish_time(
+        [list(range(6)), [6, 7]], faster, nbytes, cost)
+    assert bt.finish_time(got, arrivals, nbytes, cost) == pytest.approx(
+        bt.finish_time([list(range(6)), [6, 7]], arrivals, nbytes, cost), rel=1e-9)

@@ -2,9 +2,13 @@
 import pytest
 import torch
 
+from horovod_ext.torch import bucket_timing
 from tests.harness import BACKENDS, run_ranks
 
 BATCH = 4          # samples per rank per backward pass
+# the first step learns the arrival order, the next TIMING_STEPS time backward: the buckets
+# cut from those times serve from this step (an index from 0) on
+STEPS_TO_TIMED_PLAN = 1 + bucket_timing.TIMING_STEPS
 
 
 class Net(torch.nn.Module):
@@ -497,7 +501,7 @@ def body_buckets_follow_arrival_order():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     buckets, close = [], []
-    for step in range(4):
+    for step in range(STEPS_TO_TIMED_PLAN + 2):
         inputs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(2)]
         own = []
@@ -533,32 +537,33 @@ def test_buckets_follow_the_order_gradients_arrive_in(plan):
     results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
     assert results[0] == results[1]
     buckets, close, (_, _, times, cost) = results[0]
-    assert close == [True] * 4
+    assert close == [True] * len(buckets)
     assert times is None and cost is None                   # nothing timed
     head = {"head.weight", "head.bias"}
     assert buckets[0][0] == ["body.bias", "body.weight"]   # registration order, reversed
     assert not head & set(buckets[0][0])
     assert head <= set(buckets[1][0])                       # arrival order: the head's first
-    assert buckets[3] == buckets[2] == buckets[1]
+    assert all(b == buckets[1] for b in buckets[2:])
 
 
 @pytest.mark.timeout(120)
 def test_buckets_cut_from_measured_times():
-    """HOROVOD_GRADIENT_BUCKET_PLAN=timed: after the second step the buckets are cut from rank
-    0's arrival times and probed link cost (the same on every rank), as bucket_timing.cut cuts
-    them from those numbers; the cap still holds and every step's average stays exact."""
+    """HOROVOD_GRADIENT_BUCKET_PLAN=timed: after the steps that time backward (the second to
+    1 + TIMING_STEPS) the buckets are cut from rank 0's median arrival times and probed link
+    cost (the same on every rank), as bucket_timing.cut cuts them from those numbers; the cap still holds and every step's average stays exact."""
     from horovod_ext.torch import bucket_timing
     env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "600", "HOROVOD_GRADIENT_BUCKET_PLAN": "timed"}
     results = run_ranks(body_buckets_follow_arrival_order, 2, "gloo", env=env)
     assert results[0] == results[1]
     buckets, close, (order, sizes, times, cost) = results[0]
-    assert close == [True] * 4
+    assert close == [True] * len(buckets)
     assert len(times) == len(order) == 4 and times[0] == 0 and times == sorted(times)
     assert cost.alpha > 0                                   # a real reduction takes time
     want = bucket_timing.cut(times, sizes, ["f32"] * 4, cost, 600)
-    assert buckets[2] == buckets[3] == [[order[i] for i in g] for g in want]
-    assert all(len(b) == 1 or sum(sizes[order.index(n)] for n in b) <= 600
-               for b in buckets[2])
+    timed = buckets[STEPS_TO_TIMED_PLAN]                    # the first step with the cut
+    assert timed == buckets[-1] == [[order[i] for i in g] for g in want]
+    assert buckets[STEPS_TO_TIMED_PLAN - 1] == buckets[1]   # until then, the arrival order's
+    assert all(len(b) == 1 or sum(sizes[order.index(n)] for n in b) <= 600 for b in timed)
 
 
 def body_plan_chosen_by_step_times():
@@ -602,8 +607,8 @@ def body_plan_chosen_by_step_times():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("variable", [None, "0"])
 def test_plan_is_chosen_by_step_times(variable):
-    """The default plan "auto": after the second step (which measures arrival times and both
-    ways' reduction costs) the next steps visit each candidate twice in turn (A B C A B C), one
+    """The default plan "auto": after the steps that time backward (then both ways' reduction
+    costs are measured) the next steps visit each candidate twice in turn (A B C A B C), one
     untimed and 3 timed steps a visit: the measured cut, the caps' buckets and, where
     HOROVOD_HIERARCHICAL_ALLREDUCE is unset, the measured cut over hierarchical allreduces;
     every rank keeps the size buckets unless another candidate's median step (rank 0's) is
@@ -628,11 +633,13 @@ def test_plan_is_chosen_by_step_times(variable):
     else:
         assert hierarchical is None
     assert [tuple(c) for c in medians] == tried
-    # steps 0-1 learn; the step() ending a visit switches to the next visit's candidate
+    # steps 0 to TIMING_STEPS learn; the step() ending a visit switches to the next visit's
     per_visit = plan_trial.STEPS + 1
     expected = [c for _ in range(plan_trial.ROUNDS) for c in tried for _ in range(per_visit)]
     fastest, size = min(medians, key=medians.get), medians[("size", False)]
     best = tuple(fastest) if medians[fastest] < 0.95 * size else ("size", False)
-    assert plans[1:1 + len(expected)] == expected
-    assert all(p == best for p in plans[1 + len(expected):])
+    first = STEPS_TO_TIMED_PLAN - 1    # plans[] is taken after step(): the learning step's
+    assert len(plans) > first + len(expected)
+    assert plans[first:first + len(expected)] == expected
+    assert all(p == best for p in plans[first + len(expected):])
     assert cost == (hierarchical if best[1] else flat)

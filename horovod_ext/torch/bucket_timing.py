@@ -8,16 +8,23 @@ another, each once its bucket's last gradient is in and the previous one has fin
 bucket ending at gradient ``j`` finishes at ``max(end of the previous bucket, t_j) + alpha +
 beta * bytes``; ``cut`` chooses the cut points that make the last end earliest, by dynamic
 programming over the gradients in arrival order (one vectorised pass per gradient), and then
-merges neighbouring buckets wherever that ends no later: a bucket the model finds free (its
-reduction fits in a gap of backward) still costs a request's work.
+merges neighbouring buckets wherever that ends no later (on the measured times and on a
+backward ``FASTER`` times faster): a bucket the model finds free (its reduction fits in a gap of
+backward) still costs a request's work.
 
 The inputs are rank 0's (``LinkCost`` from ``measure_link``'s probe allreduces, the arrival times
-from one backward pass), handed to every rank, so that every rank cuts alike.
+from ``TIMING_STEPS`` backward passes), handed to every rank, so that every rank cuts alike.  One
+pass is not enough: where ranks share cores a backward pass now and then takes several times
+its usual length (a 1 Gbit/s lab run of the CNN measured 121 ms where others took 8-14 ms), and
+its gaps then look wide enough to hide any reduction, so the cut merges the buckets that should
+overlap backward.  Each gradient's median over the passes ignores one such pass, and the merge
+test on a faster backward keeps the overlap where every timed pass was slowed (the first steps
+of a job often are).
 """
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +32,11 @@ import torch
 PROBE_SMALL = 1024          # bytes: the latency's probe
 PROBE_LARGE = 1 << 20       # bytes at most: the per-byte cost's probe
 PROBE_REPEATS = 3
+TIMING_STEPS = 3            # backward passes whose arrival times are combined
+# Merging two buckets must not end later on a backward this many times faster than measured
+# either: in a slowed pass the gaps hide any reduction, so a merge looks free there that takes
+# the overlap away from the usual pass (the measured gaps are an upper bound, never a lower one).
+FASTER = 4.0
 
 
 class ArrivalClock:
@@ -50,6 +62,16 @@ class ArrivalClock:
             return [t - stamps[0] for t in stamps]
         stamps[-1].synchronize()
         return [stamps[0].elapsed_time(e) / 1e3 for e in stamps]
+
+
+def median_arrivals(passes: Sequence[Dict[int, float]]) -> Tuple[List[int], List[float]]:
+    """Each gradient's median arrival over ``passes`` (one dict per backward pass: gradient
+    index -> seconds after that pass's first gradient; the last pass holds every gradient), in
+    the order of those medians (ties in the last pass's order): indices, then seconds."""
+    last = list(passes[-1])
+    median = {i: statistics.median(p[i] for p in passes if i in p) for i in last}
+    order = sorted(last, key=median.__getitem__)
+    return order, [median[i] for i in order]
 
 
 @dataclass(frozen=True)
@@ -137,8 +159,10 @@ def cut(arrivals: Sequence[float], nbytes: Sequence[int], kinds: Sequence[object
 
 def _merge(bounds: List[int], t: np.ndarray, total: np.ndarray, kinds: Sequence[object],
            cost: LinkCost, cap: int) -> List[int]:
-    """Drop cut points (``bounds``: 0, the cuts, n) while the last reduction ends no later."""
-    best = _last_end(bounds, t, total, cost)
+    """Drop cut points (``bounds``: 0, the cuts, n) while the last reduction ends no later, on
+    the measured times and on the same backward ``FASTER`` times faster."""
+    timelines = (t, t / FASTER)
+    best = [_last_end(bounds, times, total, cost) for times in timelines]
     merged = True
     while merged:
         merged = False
@@ -147,8 +171,8 @@ def _merge(bounds: List[int], t: np.ndarray, total: np.ndarray, kinds: Sequence[
             if total[hi] - total[lo] > cap or kinds[lo] != kinds[hi - 1]:
                 continue
             trial = bounds[:k] + bounds[k + 1:]
-            ends = _last_end(trial, t, total, cost)
-            if ends <= best * (1 + 1e-12) + 1e-15:
-                bounds, best, merged = trial, min(best, ends), True
+            ends = [_last_end(trial, times, total, cost) for times in timelines]
+            if all(e <= b * (1 + 1e-12) + 1e-15 for e, b in zip(ends, best)):
+                bounds, best, merged = trial, [min(e, b) for e, b in zip(ends, best)], True
                 break
     return bounds

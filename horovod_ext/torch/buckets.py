@@ -11,10 +11,10 @@ Buckets follow the reverse of the parameter order (the order backward usually pr
 in) for the first step, and from then on the order the gradients did arrive in, rank 0's, as DDP
 rebuilds its buckets (reduction.follow_arrival_order: a bucket waits for its last gradient, and a
 pre-LN transformer layer registers its first norm after the linear layers that backward reaches
-before it). From the third step on they are either cut from what was measured at the second
-(bucket_timing.py: when each gradient arrived, and what a reduction costs, so that the last
-reduction ends earliest) or set by size, and by default (HOROVOD_GRADIENT_BUCKET_PLAN=auto) the one
-that trains clearly faster stays (reduction/plan_trial.py; on one host, the size buckets). No
+before it). From the fifth step on they are either cut from what was measured at the second to
+fourth (bucket_timing.py: when each gradient arrived, its median over those backward passes, and
+what a reduction costs, so that the last reduction ends earliest) or set by size, and by
+default (HOROVOD_GRADIENT_BUCKET_PLAN=auto) the one that trains clearly faster stays (reduction/plan_trial.py; on one host, the size buckets). No
 bucket holds more than HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``;
 capped by HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own
 request, as in Horovod). By size, HOROVOD_FIRST_BUCKET_BYTES caps the first bucket, backward's

@@ -128,10 +128,11 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
     the first step, in the order backward produced the gradients: the order of parameter
     registration can differ (a pre-LN transformer layer registers its first norm after its
     linear layers, and backward reaches it last), and a bucket waits for its last gradient.
-    After the second (HOROVOD_GRADIENT_BUCKET_PLAN=timed), cut from when each gradient arrived
-    and what a reduction costs (``probe_link``, a collective); then (plan "auto") the next
-    steps try that cut, the caps' buckets and, where the way of the world's allreduces is open
-    (hierarchy_choice), the hierarchical way, and keep the fastest (plan_trial.py).
+    After the next TIMING_STEPS (HOROVOD_GRADIENT_BUCKET_PLAN=timed), cut from when each
+    gradient arrived (its median over those backward passes) and what a reduction costs
+    (``probe_link``, a collective); then (plan "auto") the next steps try that cut, the caps'
+    buckets and, where the way of the world's allreduces is open (hierarchy_choice), the
+    hierarchical way, and keep the fastest (plan_trial.py).
     ``broadcast`` hands every rank rank 0's measurements, so that all plan alike.  Collective
     over the optimizer's process set: at the first steps of each generation of the world
     (hvd.init, an elastic reset), which every rank of that generation takes alike."""
@@ -143,6 +144,7 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
         before = layout.arrival_order or list(reversed(range(len(layout.params))))
         layout.arrival_order = broadcast(reducer.observed_order())
         layout.arrival_generation = generation
+        layout.arrival_passes = []
         if bucket_plan() == "size" or (bucket_plan() == "auto" and _one_host()):
             layout.timing_generation = generation     # nothing more to learn
         reducer.arrived.clear()                       # the next step's times are measured
@@ -150,7 +152,10 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
             _replan_keeping_gradients(state)
         return
     if layout.timing_generation != generation:
-        _learn_timing(state, broadcast)
+        layout.arrival_passes.append(dict(zip(reducer.observed_order(), reducer.observed_times())))
+        reducer.arrived.clear()                       # the next pass is timed afresh
+        if len(layout.arrival_passes) >= bucket_timing.TIMING_STEPS:
+            _learn_timing(state, broadcast)
     elif layout.trial is not None:
         _continue_trial(state, broadcast)
 
@@ -163,13 +168,15 @@ def _one_host() -> bool:
 
 
 def _learn_timing(state: OptimizerState, broadcast) -> None:
-    """The second step: rank 0's arrival times and link costs, and the buckets cut from them;
+    """After the timed passes (steps 2 to 1 + TIMING_STEPS): rank 0's median arrival times and
+    link costs, and the buckets cut from them;
     with the plan "auto", the trial of the candidates begins with these (plan_trial.py)."""
     layout = state.layout
     flat, hierarchical = probe_link(state)
+    order, times = bucket_timing.median_arrivals(layout.arrival_passes)
+    layout.arrival_passes = []
     layout.arrival_order, layout.arrival_times, flat, hierarchical = broadcast(
-        (state.plan.reducer.observed_order(), state.plan.reducer.observed_times(), flat,
-         hierarchical))
+        (order, times, flat, hierarchical))
     layout.link_cost, layout.cut = flat, "timed"
     layout.both_ways = (flat, hierarchical)
     candidates = [plan_trial.Candidate("timed", False)]

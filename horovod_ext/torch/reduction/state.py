@@ -56,9 +56,10 @@ class Layout:
     arrival_order: Optional[List[int]] = None
     arrival_generation: int = -1
     # when each gradient of arrival_order arrived (seconds after the first), and what a
-    # reduction costs (bucket_timing.LinkCost), rank 0's, measured at the second step of each
-    # generation: the buckets are cut from them (HOROVOD_GRADIENT_BUCKET_PLAN=timed)
+    # reduction costs (bucket_timing.LinkCost), rank 0's, measured at the steps after the first of
+    # each generation: the buckets are cut from them (HOROVOD_GRADIENT_BUCKET_PLAN=timed)
     arrival_times: Optional[List[float]] = None
+    arrival_passes: List[Dict[int, float]] = field(default_factory=list)  # until they are learnt
     link_cost: Optional[object] = None
     # the flat and the hierarchical way's cost (None where the way is not open:
     # hierarchy_choice); which cut the buckets follow ("timed" or "size"); the trial of
