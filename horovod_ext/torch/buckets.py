@@ -16,8 +16,9 @@ fourth (bucket_timing.py: when each gradient arrived, its median over those back
 what a reduction costs, so that the last reduction ends earliest) or set by size, and by
 default (HOROVOD_GRADIENT_BUCKET_PLAN=auto) the one that trains clearly faster stays
 (reduction/plan_trial.py; on one host, the size buckets). No bucket holds more than
-HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own
-request, as in Horovod). By size, HOROVOD_FIRST_BUCKET_BYTES caps the first bucket, backward's
+HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
+HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
+as in Horovod). By size, HOROVOD_FIRST_BUCKET_BYTES caps the first bucket, backward's
 first gradients, at 1 MiB by default, as DDP's first bucket, so that its reduction starts while
 backward goes on (0 gives it the others' cap), and the rest hold up to the cap. A ``.grad`` that is
 not the bucket's slice when it is ready (after ``zero_grad(set_to_none=True)``, the default, a
