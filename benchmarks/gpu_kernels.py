@@ -123,9 +123,8 @@ MANY = 200       # tensors of the many-tensor parameter set
 def lamb_in_chunks():
     """``hvd.Lamb``'s fused step on CHUNK tensors at a time, each passed as a flat alias
     (``compiled.flat_aliases``) whose size is unbacked (no guards on sizes), tensors of one
-    element apart: so that
-    a few compiled graphs serve any model, where one graph over all tensors takes longer to
-    compile the more tensors there are."""
+    element apart: so that a few compiled graphs serve any model, where one graph over all
+    tensors takes longer to compile the more tensors there are."""
     from horovod_ext.algorithms import compiled, lamb as lamb_module
     kept = lamb_module.fused_lamb_steps_
     kernel = compiled.kernel(kept.eager)

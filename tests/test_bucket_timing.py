@@ -119,8 +119,7 @@ def test_each_gradient_takes_its_median_over_the_passes():
     passes = [usual, slowed, swapped]
     order, times = bt.median_arrivals(passes)
     medians = {i: sorted(p[i] for p in passes)[1] for i in usual}   # the middle of three
-    assert medians == {3: 0.0, 2: 0.0045, 1: 0.004, 0: 0.007}
-    assert order == [3, 1, 2, 0]
+    assert order == sorted(usual, key=medians.get) == [3, 1, 2, 0]
     assert times == [medians[i] for i in order]
     assert bt.median_arrivals([usual]) == ([3, 2, 1, 0], [0.0, 0.001, 0.004, 0.007])
 

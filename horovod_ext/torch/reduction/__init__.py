@@ -152,7 +152,7 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
             _replan_keeping_gradients(state)
         return
     if layout.timing_generation != generation:
-        layout.arrival_passes.append(dict(zip(reducer.observed_order(), reducer.observed_times())))
+        layout.arrival_passes.append(reducer.observed_pass())
         reducer.arrived.clear()                       # the next pass is timed afresh
         if len(layout.arrival_passes) >= bucket_timing.TIMING_STEPS:
             _learn_timing(state, broadcast)
@@ -169,8 +169,8 @@ def _one_host() -> bool:
 
 def _learn_timing(state: OptimizerState, broadcast) -> None:
     """After the timed passes (steps 2 to 1 + TIMING_STEPS): rank 0's median arrival times and
-    link costs, and the buckets cut from them;
-    with the plan "auto", the trial of the candidates begins with these (plan_trial.py)."""
+    link costs, and the buckets cut from them; with the plan "auto", the trial of the
+    candidates begins with these (plan_trial.py)."""
     layout = state.layout
     flat, hierarchical = probe_link(state)
     order, times = bucket_timing.median_arrivals(layout.arrival_passes)

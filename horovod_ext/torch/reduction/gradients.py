@@ -129,13 +129,14 @@ class BucketReducer(GroupReducer):
         came = set(order)
         return order + [i for i in reversed(range(len(self.layout.params))) if i not in came]
 
-    def observed_times(self) -> List[float]:
-        """Seconds after the first gradient at which each gradient of ``observed_order`` came;
-        those that never came, at the last one's time."""
+    def observed_pass(self) -> Dict[int, float]:
+        """This backward pass's arrivals: index into the layout's parameters -> seconds after
+        the first gradient, in ``observed_order``; those that never came at the last one's time."""
         index = {id(p) for p in self.layout.params}
         times = self.clock.seconds([t for i, t in self.arrived.items() if i in index])
         last = times[-1] if times else 0.0
-        return times + [last] * (len(self.layout.params) - len(times))
+        order = self.observed_order()
+        return dict(zip(order, times + [last] * (len(order) - len(times))))
 
     def route(self, p: torch.Tensor) -> None:
         if self.layout.timing_generation != self.progress.generation \
