@@ -150,6 +150,7 @@ def test_hierarchical_steps_are_named(tmp_path):
 def body_straggler():
     import time
     import horovod_ext.torch as hvd
+    hvd.barrier()   # both leave init together: rank 0 may return from it later than rank 1
     if hvd.rank() == 1:
         time.sleep(0.4)   # a straggler on purpose: negotiation must show it
     hvd.allreduce(torch.ones(8), name="late")
