@@ -128,14 +128,20 @@ def _rvh_every_count():
             in_node = in_node_adasum_(flat.clone(), bounds, segment)
             # over MPI, the first exchange of every level in chunks (cut across layers, odd
             # lengths) whose products are summed as they arrive; twice, so the second call
-            # runs the exchanges prepared by the first (Gloo exchanges are never chunked)
+            # runs the exchanges prepared by the first (Gloo exchanges are never chunked); then
+            # with every peer taken as another host's, whose exchanges go whole
             chunk, rvh_module.CHUNK_ELEMENTS = rvh_module.CHUNK_ELEMENTS, 37
             try:
                 chunked = [adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0)
                            for _ in range(2)]
+                others = frozenset(range(group.size)) - {group.rank}
+                chunked.append(adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0,
+                                                 remote=others))
             finally:
                 rvh_module.CHUNK_ELEMENTS = chunk
-            extra = {}
+            extra = {"chunks": {bool(key[-1]): [len(level.chunks) for level in plan.levels]
+                                for key, plan in rvh_module.layer_map(bounds).plans.items()
+                                if key[0] == "rvh" and key[7] == 37 and key[6] is group}}
             if size in PARALLEL_SIZES:
                 # parallel inputs, C kernels and torch code, RVH and gather: checked for the mean
                 for dtype in (torch.float32, torch.float64):
@@ -218,6 +224,7 @@ def _rvh_every_count():
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_adasum_every_process_count(backend):
+    from horovod_ext.algorithms import adasum
     results = run_ranks(_rvh_every_count, 8, backend, timeout=200)
     n = len(results)
     shapes = [torch.Size(s) for s in LAYERS]
@@ -225,11 +232,22 @@ def test_adasum_every_process_count(backend):
         for members in (range(0, size), range(size, n)):
             inputs = [layers_for(r, seed=size) for r in members]
             expected = ref_tree(inputs, shapes)
-            def flat_of(r, path):  # RVH, gather, chunked RVH, chunked RVH prepared before, shm
-                split = results[r]["split"][size]
-                return split[path] if path < 3 else split[3][path - 3] if path < 5 else split[5]
+            def flat_of(r, path):  # RVH, gather, chunked RVH, chunked RVH prepared before,
+                split = results[r]["split"][size]   # shm, RVH with every peer remote
+                return {1: split[1], 2: split[2], 3: split[3][0], 4: split[3][1], 5: split[5],
+                        6: split[3][2]}[path]
 
-            for path in (1, 2, 3, 4, 5):
+            p = adasum.largest_power_of_two(len(members))
+            for r in members:
+                # chunked over MPI with peers on this host, never with remote ones; a rank
+                # folded into another (n not a power of two) runs no levels, so has no plans
+                chunks = results[r]["split"][size][4]["chunks"]
+                assert set(chunks) == ({False, True} if r - members[0] < p else set()), chunks
+                for level, (near, far) in enumerate(zip(chunks.get(False, []),
+                                                        chunks.get(True, []))):
+                    assert far == 1, (r, level, chunks)
+                    assert near > 1 if backend == "mpi" else near == 1, (r, level, chunks)
+            for path in (1, 2, 3, 4, 5, 6):
                 for r in members:
                     group_size, flat = results[r]["split"][size][0], flat_of(r, path)
                     assert group_size == len(members)

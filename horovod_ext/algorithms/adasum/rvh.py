@@ -2,8 +2,8 @@
 
 Recursive vector-halving: at distance d each rank swaps half of its current piece with the rank
 d away, computes its share of the per-layer [a.b, a.a, b.b], sums the shares over the 2d ranks
-that hold pieces of the same logical vectors (one small allreduce per level), applies Adasum to its half, and recurses with 2d;
-the halves are then gathered back in reverse.  Each rank sends about as many bytes as in a
+that hold pieces of the same logical vectors (one small allreduce per level), applies Adasum to
+its half, and recurses with 2d; the halves are then gathered back in reverse.  Each rank sends about as many bytes as in a
 recursive-halving Sum allreduce.  For a power-of-two count the result is the tree Adasum: ranks
 (0, 1), (2, 3), ... first, then those results pairwise, and so on.
 
@@ -25,7 +25,7 @@ order; ``extra_reduce`` sums the partial products once more (over the local rank
 other shards of the same vectors, in the hierarchical variant).
 """
 from collections import OrderedDict
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -85,14 +85,16 @@ def layer_map(bounds) -> LayerMap:
 def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: Communicator,
                       order: Optional[Sequence[int]] = None,
                       extra_reduce: Optional[DotsReduce] = None,
-                      offset: int = 0, gather_limit: Optional[int] = None) -> torch.Tensor:
+                      offset: int = 0, gather_limit: Optional[int] = None,
+                      remote: Collection[int] = ()) -> torch.Tensor:
     """Adasum of the flat tensor ``x`` over the ranks of ``comm``, per layer, in place.
 
     ``bounds``: (offset, numel) of every layer in the coordinates of the whole buffer; ``x``
     holds elements [offset, offset + x.numel()) of it (a shard, in the hierarchical variant).
     Whole vectors whose gathering would bring each rank at most ``gather_limit`` bytes from
     the others (default: PAIR_GATHER_LIMIT for 2 ranks, GATHER_LIMIT otherwise) go through
-    gather.py (one collective) instead of RVH.
+    gather.py (one collective) instead of RVH.  ``remote``: the ranks of ``comm`` on other
+    hosts, with which every exchange goes whole (see CHUNK_ELEMENTS).
     """
     n = comm.size
     if n == 1:
@@ -128,8 +130,8 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
             combine_(x, other, True, coefficients(dots), piece)
     kernels = kernels_for(x)
     if p > 1 and kernels is not None:
-        _rvh_native(x, kernels, _schedule(layers, x.numel(), offset, order, p, me, comm), comm,
-                    extra_reduce)
+        schedule = _schedule(layers, x.numel(), offset, order, p, me, comm, frozenset(remote))
+        _rvh_native(x, kernels, schedule, comm, extra_reduce)
     elif p > 1:
         _rvh(x, layers, comm, order, p, me, reduce_dots, offset)
     if me + p < n:
@@ -149,9 +151,12 @@ def _swap(comm: Communicator, send: Optional[torch.Tensor], recv: Optional[torch
                       recv, peer if recv is not None else None)
 
 
-# The first exchange of a level goes in chunks of at least this many elements (at most
-# MAX_CHUNKS), and each chunk's dot products are summed as soon as it arrives, while it is
-# still in cache: one pass over the received half from memory fewer.
+# The first exchange of a level with a rank of the same host goes in chunks of at least this
+# many elements (at most MAX_CHUNKS), and each chunk's dot products are summed as soon as it
+# arrives, while it is still in cache: one pass over the received half from memory fewer.
+# Across hosts the exchange goes whole: there the link, not memory, sets the time, and every
+# chunk's end was one more chance for a TCP tail loss and its 200 ms retransmission timeout
+# (MPI, 2 lab hosts at 1 Gbit/s, 64 MiB: 8 chunks took 810 ms in most calls, one 572 ms as Sum).
 CHUNK_ELEMENTS = 128 << 10
 MAX_CHUNKS = 8
 
@@ -161,7 +166,8 @@ class _Level:
     ``peer``, and sums its share of the products over the group of ``2 d`` ranks."""
 
     def __init__(self, keep, send, peer: int, left: bool, layers: LayerMap, offset: int,
-                 groups: int, row: int, comm: Communicator, divisors: Tuple[float, float]):
+                 groups: int, row: int, comm: Communicator, divisors: Tuple[float, float],
+                 chunked: bool):
         self.keep, self.send, self.peer, self.left = keep, send, peer, left
         self.divisors = divisors  # of this level's pair (gather.tree_divisors)
         self.piece = layers.piece(offset + keep[0], offset + keep[1])
@@ -178,10 +184,11 @@ class _Level:
         # Both partners hold the same range, so they agree on the count; the kept and the sent
         # half (one element longer or shorter) are each cut into that many chunks, and
         # chunk i of one rank's sent half is chunk i of its partner's kept half.
-        # Only where an exchange is prepared by address (MPI: cheap per exchange); a Gloo
-        # exchange is a round of its own.
+        # Only with a peer on this host (``chunked``) where an exchange is prepared by address
+        # (MPI: cheap per exchange); a Gloo exchange is a round of its own.
         half = (max(keep[1], send[1]) - min(keep[0], send[0])) // 2
-        count = max(1, min(MAX_CHUNKS, half // CHUNK_ELEMENTS)) if comm.prepared_by_address else 1
+        count = (max(1, min(MAX_CHUNKS, half // CHUNK_ELEMENTS))
+                 if chunked and comm.prepared_by_address else 1)
         cuts = [_cuts(*keep, count), _cuts(*send, count)]
         self.chunks = [(klo, khi, slo, shi, layers.piece(offset + klo, offset + khi))
                        for (klo, khi), (slo, shi) in zip(*cuts)]
@@ -204,16 +211,17 @@ class _Schedule:
     step, and preparing costs more than the exchanges' own Python work)."""
 
     def __init__(self, layers: LayerMap, numel: int, offset: int, order, p: int, me: int,
-                 comm: Communicator):
+                 comm: Communicator, remote: FrozenSet[int]):
         n = len(order)
         self.levels, lo, hi, d = [], 0, numel, 1
         while d < p:
             mid = lo + (hi - lo) // 2
             left = (me // d) % 2 == 0
             keep, send = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
-            self.levels.append(_Level(keep, send, order[me + d] if left else order[me - d],
-                                      left, layers, offset, p // (2 * d), me // (2 * d), comm,
-                                      tree_divisors(n, me - me % (2 * d), d)))
+            peer = order[me + d] if left else order[me - d]
+            self.levels.append(_Level(keep, send, peer, left, layers, offset, p // (2 * d),
+                                      me // (2 * d), comm, tree_divisors(n, me - me % (2 * d), d),
+                                      peer not in remote))
             lo, hi = keep
             d *= 2
         self._prepared_for = None
@@ -249,11 +257,11 @@ class _Schedule:
 
 
 def _schedule(layers: LayerMap, numel: int, offset: int, order, p: int, me: int,
-              comm: Communicator) -> _Schedule:
-    key = ("rvh", numel, offset, tuple(order), p, me, comm, CHUNK_ELEMENTS)
+              comm: Communicator, remote: FrozenSet[int]) -> _Schedule:
+    key = ("rvh", numel, offset, tuple(order), p, me, comm, CHUNK_ELEMENTS, remote)
     found = layers.plans.get(key)
     if found is None:
-        found = layers.plans[key] = _Schedule(layers, numel, offset, order, p, me, comm)
+        found = layers.plans[key] = _Schedule(layers, numel, offset, order, p, me, comm, remote)
     return found
 
 
