@@ -2,6 +2,7 @@
 
     python benchmarks/adasum.py              # the whole matrix
     python benchmarks/adasum.py --quick      # 3 sizes, np=2, shorter runs
+    python benchmarks/adasum.py --lab 1gbit  # across the network lab's 2 hosts (root)
     python benchmarks/adasum.py --markdown RUN.json ...   # earlier reports' tables, run by run
 
 Both ops reduce the same float32 values in place (hvd.allreduce_, the buffer refilled before
@@ -14,7 +15,12 @@ The "as called" columns time calls the way a training script makes them: a barri
 call under a name never used before (so no response cache or steady-state lane helps either op),
 alone.  Blocks of 15 such calls of each op take turns (``--user-blocks``, default 3); the
 median call of each block, and the median of those, is reported.
+
+``--lab RATE`` runs the same matrix across the two hosts of the network lab (tools/netlab.sh, at
+RATE per direction), np / 2 ranks on each: a training job's Adasum crosses a link, where the
+transfer, not the arithmetic both ops do in memory, sets the time.
 """
+import contextlib
 import itertools
 import time
 import os
@@ -125,6 +131,8 @@ def main():
     p.add_argument("--nps", default="2,4")
     p.add_argument("--backends", default="mpi,gloo")
     p.add_argument("--seconds", type=float, default=1.5, help="time budget per size")
+    p.add_argument("--lab", metavar="RATE",
+                   help="across the network lab's 2 hosts at RATE (1gbit, 100mbit; needs root)")
     p.add_argument("--user-blocks", type=int, default=3,
                    help="blocks of 15 calls as a script makes them (barrier, new name)")
     args = p.parse_args()
@@ -139,7 +147,14 @@ def main():
         return print(runs_markdown(reports))
     if args.quick:
         args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
-    report = {"runs": []}
+    report = {"runs": [], "lab": args.lab}
+    with _spawn.lab(2, args.lab) if args.lab else contextlib.nullcontext():
+        _matrix(args, report)
+    _spawn.write_report(args.out, report)
+
+
+def _matrix(args, report):
+    """Every np and transport of ``args``, printed row by row, the runs into ``report``."""
     print("medians in microseconds; ratio = Adasum / Sum (hvd.allreduce_, float32, in place)")
     print(f"{'transport':<9} {'np':>3} {'size':>9} {'sum':>10} {'adasum':>10} {'ratio':>7} "
           f"{'sum called':>11} {'adasum called':>14} {'ratio':>7}", flush=True)
@@ -147,7 +162,8 @@ def main():
         for kind in args.backends.split(","):
             argv = [os.path.abspath(__file__), "--worker", "--seconds", str(args.seconds),
                     "--sizes", ",".join(map(str, args.sizes))]
-            rows = _spawn.run_collect(kind, argv, np)["rows"]
+            hosts = [f"nl-{i * 2 // np}" for i in range(np)] if args.lab else None
+            rows = _spawn.run_collect(kind, argv, np, hosts=hosts)["rows"]
             for r in rows:
                 r["ratio"] = r["adasum_us"] / r["sum_us"]
                 r["called_ratio"] = r["adasum_called_us"] / r["sum_called_us"]
@@ -155,7 +171,6 @@ def main():
                       f"{r['adasum_us']:>10.1f} {r['ratio']:>7.2f} {r['sum_called_us']:>11.1f} "
                       f"{r['adasum_called_us']:>14.1f} {r['called_ratio']:>7.2f}", flush=True)
             report["runs"].append({"transport": kind, "np": np, "rows": rows})
-    _spawn.write_report(args.out, report)
 
 
 if __name__ == "__main__":
