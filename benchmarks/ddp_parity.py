@@ -15,7 +15,9 @@ random data, ``--batch`` samples per rank) and its step time is the median of th
 for no variables) starts its own ranks with DDP beside it, so each ratio compares methods of one
 run.  Prints a table per setting and writes JSON, which also keeps rank 0's median phases of a
 step per method and round (``phases_rank0``: zero_grad and forward, backward, opt.step(); DDP
-reduces inside backward, ours mostly waits in opt.step()) and the plan trial's medians.
+reduces inside backward, ours mostly waits in opt.step()), rank 0's processor time per step
+(``cpu_rank0``: every thread of the process, per method and round: on ranks that share cores the
+step time follows it) and the plan trial's medians.
 """
 import json
 import os
@@ -90,13 +92,16 @@ def worker(args):
         medians = {name: [] for name in runners}
         phases = {name: [] for name in runners}   # this rank's median forward, backward, step
         stats = runtime.engine().stats
+        cpu = {}
         cycles = []   # the engine's negotiation rounds per step, each round of ours
         for rep in range(args.reps):
             order = list(runners) if rep % 2 == 0 else list(reversed(list(runners)))
             for name in order:
                 dist.barrier()
                 before = stats["cycles"]
+                cpu0 = time.process_time()
                 times = step_times(*runners[name], loss, args.steps)[-args.timed:]
+                cpu.setdefault(name, []).append((time.process_time() - cpu0) / args.steps)
                 medians[name].append(statistics.median(t[0] for t in times))
                 phases[name].append([statistics.median(t[i] for t in times) for i in (1, 2, 3)])
                 if name == "hvd":
@@ -107,6 +112,7 @@ def worker(args):
         results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.reps)]
                          for name in runners}
         results[kind]["phases_rank0"] = phases
+        results[kind]["cpu_rank0"] = cpu
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
         results[kind]["cycles_per_step"] = cycles
         results[kind]["hierarchical"] = bool(runtime.engine().comms.hierarchical_allreduce)
