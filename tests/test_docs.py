@@ -129,7 +129,9 @@ PRINTED = {  # pages whose tables a benchmark prints from their data: the page h
         ["ddp_parity.py", "--markdown", f"docs/benchmarks/{name}.json"]
         for name in ("ddp_parity",)],
     "benchmarks/adasum.md": [
-        ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_run{i}.json" for i in (1, 2, 3)]],
+        ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_run{i}.json" for i in (1, 2, 3)],
+        ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_lab_1gbit_run{i}.json"
+                                       for i in (1, 2)]],
     "benchmarks/end_to_end.md": [
         ["end_to_end.py", "--markdown"] + [f"docs/end_to_end_run{i}.json" for i in (1, 2, 3)]],
 }
