@@ -80,6 +80,8 @@ def body_hierarchical(expect_shared: bool):
         assert torch.allclose(g, want, rtol=1e-6, atol=1e-6), k
     assert runtime.state.engine.stats["fused_buffers"] > fused_before
     comms = runtime.state.comms
+    # hosts a, a, b, b: the ranks on the other host (Adasum's exchanges with them go whole)
+    assert comms.topology.other_hosts == ({2, 3} if r < 2 else {0, 1})
     target = comms.pack_target(100, torch.float32)
     if expect_shared:
         assert target.data_ptr() == comms.topology._in_node._slots[hvd.local_rank()].data_ptr()

@@ -7,7 +7,8 @@ steps of hierarchical algorithms (``node_reduce_scatter``, ``node_allgather``,
 the local communicator otherwise.
 """
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from functools import cached_property
+from typing import FrozenSet, List, Optional, Sequence
 
 import torch
 
@@ -74,6 +75,12 @@ class Topology:
     @property
     def num_nodes(self) -> int:
         return max(self.node_of) + 1
+
+    @cached_property
+    def other_hosts(self) -> FrozenSet[int]:
+        """World ranks on other hosts than this rank's (node_of never changes)."""
+        mine = self.node_of[self.rank]
+        return frozenset(r for r, node in enumerate(self.node_of) if node != mine)
 
     @property
     def cross_members(self) -> List[int]:

@@ -12,7 +12,7 @@ With DistributedOptimizer, ``wants_delta`` picks the mode of paper section 4.1: 
 state (momentum, Adam, LAMB) step locally and the parameter change is combined (Figure 3);
 plain SGD combines the gradients.
 """
-from typing import FrozenSet, Tuple
+from typing import Tuple
 
 import torch
 
@@ -44,7 +44,7 @@ class AdasumOp(Op):
         def step(part: torch.Tensor, span: Span) -> torch.Tensor:
             if not span.hierarchical:
                 return adasum_allreduce_(part, bounds, span.comm,
-                                         remote=_other_hosts(span.topology))
+                                         remote=span.topology.other_hosts)
             # Across nodes in node order, the per-layer dot products also summed over the
             # local ranks so that they cover whole layers (paper 4.2.2).
             topology = span.topology
@@ -59,12 +59,6 @@ class AdasumOp(Op):
         if isinstance(optimizer, torch.optim.SGD):
             return any(g.get("momentum", 0) for g in optimizer.param_groups)
         return True
-
-
-def _other_hosts(topology: Topology) -> FrozenSet[int]:
-    """The world ranks on other hosts than this rank's."""
-    mine = topology.node_of[topology.rank]
-    return frozenset(r for r, node in enumerate(topology.node_of) if node != mine)
 
 
 def _node_order(topology: Topology) -> Tuple[int, ...]:

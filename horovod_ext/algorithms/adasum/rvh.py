@@ -3,9 +3,9 @@
 Recursive vector-halving: at distance d each rank swaps half of its current piece with the rank
 d away, computes its share of the per-layer [a.b, a.a, b.b], sums the shares over the 2d ranks
 that hold pieces of the same logical vectors (one small allreduce per level), applies Adasum to
-its half, and recurses with 2d; the halves are then gathered back in reverse.  Each rank sends about as many bytes as in a
-recursive-halving Sum allreduce.  For a power-of-two count the result is the tree Adasum: ranks
-(0, 1), (2, 3), ... first, then those results pairwise, and so on.
+its half, and recurses with 2d; the halves are then gathered back in reverse.  Each rank sends
+about as many bytes as in a recursive-halving Sum allreduce.  For a power-of-two count the result
+is the tree Adasum: ranks (0, 1), (2, 3), ... first, then those results pairwise, and so on.
 
 Any count n (Horovod refuses counts that are not powers of two): with p the largest power of two
 <= n, rank r >= p is first folded into rank r - p as Adasum(x[r-p], x[r]), the p first ranks run
