@@ -372,7 +372,9 @@ def write_report(path: str, report) -> None:
 def start_beside_ddp():
     """In a worker: torch.distributed's default Gloo group for DDP, on the port the launch put
     in BENCH_DDP_PORT (the job's own, so DDP keeps it while horovod_ext is shut down), then
-    ``hvd.init()`` and as many threads as the host has cores per local rank.  Returns hvd."""
+    ``hvd.init()`` and as many threads as this machine has cores per rank: every rank of a
+    benchmark runs here, those of pretend hosts and lab hosts too, and more threads than cores
+    would leave each rank's step to the scheduler.  Returns hvd."""
     import torch
     import torch.distributed as dist
     import horovod_ext.torch as hvd
@@ -381,7 +383,7 @@ def start_beside_ddp():
                             init_method=f"tcp://{os.environ['HOROVOD_GLOO_RENDEZVOUS_ADDR']}:"
                                         f"{os.environ['BENCH_DDP_PORT']}")
     hvd.init()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.local_size()))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // hvd.size()))
     return hvd
 
 

@@ -7,17 +7,21 @@
 
 What a DDP user measures first: ``hvd.DistributedOptimizer(Adam, op=hvd.Average)`` next to
 ``DistributedDataParallel`` (its defaults: 25 MB buckets and a 1 MB first bucket) in the same
-ranks, taking turns, ``--reps`` rounds.  In each round each method runs ``--steps`` steps (Adam,
-random data, ``--batch`` samples per rank) and its step time is the median of the last
-``--timed`` steps on the slowest rank.  Models: ``mlp`` (784-1024-1024-10, 1.86 M parameters),
-``cnn`` (examples/fashion_mnist.py's CNN, 0.22 M) and ``transformer`` (``_models.CharLM``,
-0.44 M).  Every variant of ours (``--variants``: ``label=VAR:value+VAR:value``, or ``default``
-for no variables) starts its own ranks with DDP beside it, so each ratio compares methods of one
-run.  Prints a table per setting and writes JSON, which also keeps rank 0's median phases of a
-step per method and round (``phases_rank0``: zero_grad and forward, backward, opt.step(); DDP
-reduces inside backward, ours mostly waits in opt.step()), rank 0's processor time per step
-(``cpu_rank0``: every thread of the process, per method and round: on ranks that share cores the
-step time follows it) and the plan trial's medians.
+ranks.  Each method first runs ``--warmup`` untimed steps (DDP rebuilds its buckets after its
+first step; ours tries its bucket plans until the 28th), then the two take turns in ``--blocks``
+blocks (Adam, random data, ``--batch`` samples per rank), the order swapped every block.  A
+block runs ``--steps`` steps of one method, its step time being the median of the last
+``--timed`` on the slowest rank; the ratio is taken block by block against the other method's
+block next to it, so that drift of the machine between blocks cancels.  Models: ``mlp``
+(784-1024-1024-10, 1.86 M parameters), ``cnn`` (examples/fashion_mnist.py's CNN, 0.22 M) and
+``transformer`` (``_models.CharLM``, 0.44 M).  Every variant of ours (``--variants``:
+``label=VAR:value+VAR:value``, or ``default`` for no variables) starts its own ranks with DDP
+beside it, so each ratio compares methods of one run.  Prints a table per setting and writes
+JSON, which also keeps rank 0's median phases of a step per method and block (``phases_rank0``:
+zero_grad and forward, backward, opt.step(); DDP reduces inside backward, ours mostly waits in
+opt.step()), rank 0's processor time per step (``cpu_rank0``: every thread of the process, per
+method and block: on ranks that share cores the step time follows it) and the plan trial's
+medians.
 """
 import json
 import os
@@ -93,9 +97,12 @@ def worker(args):
         phases = {name: [] for name in runners}   # this rank's median forward, backward, step
         stats = runtime.engine().stats
         cpu = {}
-        cycles = []   # the engine's negotiation rounds per step, each round of ours
-        for rep in range(args.reps):
-            order = list(runners) if rep % 2 == 0 else list(reversed(list(runners)))
+        cycles = []   # the engine's negotiation rounds per step, each block of ours
+        for name in runners:   # untimed: DDP rebuilds its buckets, ours tries its plans
+            dist.barrier()
+            step_times(*runners[name], loss, args.warmup)
+        for block in range(args.blocks):
+            order = list(runners) if block % 2 == 0 else list(reversed(list(runners)))
             for name in order:
                 dist.barrier()
                 before = stats["cycles"]
@@ -109,14 +116,14 @@ def worker(args):
         every = [None] * size
         dist.all_gather_object(every, medians)
         # the slowest rank sets the pace
-        results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.reps)]
+        results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.blocks)]
                          for name in runners}
         results[kind]["phases_rank0"] = phases
         results[kind]["cpu_rank0"] = cpu
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
         results[kind]["cycles_per_step"] = cycles
         results[kind]["hierarchical"] = bool(runtime.engine().comms.hierarchical_allreduce)
-        # the buckets the last round ran with (rank 0's plan is every rank's)
+        # the buckets the last block ran with (rank 0's plan is every rank's)
         results[kind]["bucket_bytes"] = [b.flat.numel() * b.flat.element_size()
                                          for b in getattr(opt._hvd.reducer, "buckets", [])]
         # what the plan trial measured (rank 0's median step per candidate), where it ran
@@ -139,20 +146,25 @@ def _buckets(row) -> str:
 
 
 def markdown(report) -> str:
-    """One table per setting: each model and variant's step times and their ratio per round,
-    and the buckets of the last round (reports that kept them)."""
+    """One table per setting: each model and variant's step times and their ratio block by
+    block (round by round in reports made before blocks), and the buckets of the last block
+    (reports that kept them)."""
     out = []
+    blocks = report.get("blocks")
     for setting, variants in report["settings"].items():
         rows = [(v, kind, row) for v, models in variants.items() for kind, row in models.items()]
         kept = all("bucket_bytes" in row for _, _, row in rows)
-        out += [f"**{setting}** (step ms, median (min-max) of {report['reps']} rounds)", "",
+        span = f"{blocks} blocks" if blocks else f"{report['reps']} rounds"
+        out += [f"**{setting}** (step ms, median (min-max) of {span})", "",
                 "| model | variant | ddp ms | hvd ms | hvd / ddp |"
-                + (" buckets |" if kept else ""),
-                "|---|---|---|---|---|" + ("---|" if kept else "")]
+                + (" hvd faster |" if blocks else "") + (" buckets |" if kept else ""),
+                "|---|---|---|---|---|" + ("---|" if blocks else "") + ("---|" if kept else "")]
         for variant, kind, row in rows:
             ratios = [h / d for h, d in zip(row["hvd"], row["ddp"])]
+            faster = f" {sum(r < 1 for r in ratios)} of {len(ratios)} |" if blocks else ""
             out.append(f"| {kind} | {variant} | {_cell(row['ddp'])} | {_cell(row['hvd'])} | "
-                       f"{_cell(ratios, 1.0, '.3f')} |" + (f" {_buckets(row)} |" if kept else ""))
+                       f"{_cell(ratios, 1.0, '.3f')} |" + faster
+                       + (f" {_buckets(row)} |" if kept else ""))
         out.append("")
     return "\n".join(out)
 
@@ -177,7 +189,7 @@ def run(args, setting, variant):
            **VARIANT_ENV[variant]}
     argv = [os.path.abspath(__file__), "--worker", "--models", ",".join(args.models),
             "--batch", str(args.batch), "--steps", str(args.steps), "--timed", str(args.timed),
-            "--reps", str(args.reps)]
+            "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
     return _spawn.run_on(setting, argv, env, args.timeout)
 
 
@@ -189,9 +201,10 @@ def main():
     p.add_argument("--variants", default="default",
                    help="label=VAR:value+VAR:value, comma separated ('default': no variables)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--timed", type=int, default=20, help="the last steps of each turn timed")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=30, help="untimed steps of each method first")
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10, help="steps of a method in a block")
+    p.add_argument("--timed", type=int, default=8, help="the last steps of each block timed")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's tables")
     args = p.parse_args()
@@ -203,15 +216,15 @@ def main():
             print(markdown(json.load(f)))
         return
     if args.quick:
-        args.steps, args.timed, args.reps = 8, 5, 2
+        args.warmup, args.blocks, args.steps, args.timed = 8, 2, 6, 4
     names = (args.settings.split(",") if args.settings else
              [s for s in _spawn.LAN_SETTINGS if args.lab or SETTINGS[s][0] == "loopback"])
     variants = [_variant(v) for v in args.variants.split(",")]
-    report = {"variants": {v: VARIANT_ENV[v] for v in variants}, "models": args.models, "batch_per_rank": args.batch, "steps": args.steps,
-              "timed": args.timed, "reps": args.reps, "settings": {}}
+    report = {"variants": {v: VARIANT_ENV[v] for v in variants}, "models": args.models,
+              "batch_per_rank": args.batch, "warmup": args.warmup, "blocks": args.blocks, "steps": args.steps, "timed": args.timed, "settings": {}}
     for setting in _spawn.by_link_rate(names, lambda n: SETTINGS[n][1]):
         report["settings"][setting] = {v: run(args, setting, v) for v in variants}
-        print(markdown({"reps": args.reps,
+        print(markdown({"blocks": args.blocks,
                         "settings": {setting: report["settings"][setting]}}), flush=True)
         _spawn.write_report(args.out, report)   # after every setting: a failure keeps the rest
 
