@@ -188,16 +188,47 @@ def test_bucket_plan():
 
 
 def test_first_bucket_cap():
-    """The first bucket (backward's first gradients: the last parameters) holds at most
-    ``first_cap`` bytes, the others ``cap``; 0 leaves the first as the others."""
+    """The first bucket (backward's first gradients: the last parameters) closes once it holds
+    ``first_cap`` bytes, the gradient that crosses it included, the others hold at most
+    ``cap``; 0 leaves the first as the others."""
     from horovod_ext.torch.buckets import partition
     params = [torch.zeros(n) for n in (40, 40, 10, 10, 10)]   # 160, 160, 40, 40, 40 bytes
     sizes = lambda groups: [[p.numel() for p in g] for g in groups]  # noqa: E731
     assert sizes(partition(params, cap=1000)) == [[10, 10, 10, 40, 40]]
     assert sizes(partition(params, cap=1000, first_cap=80)) == [[10, 10], [10, 40, 40]]
+    assert sizes(partition(params, cap=1000, first_cap=100)) == [[10, 10, 10], [40, 40]]
+    assert sizes(partition(params, cap=1000, first_cap=150)) == [[10, 10, 10, 40], [40]]
     assert sizes(partition(params, cap=1000, first_cap=0)) == [[10, 10, 10, 40, 40]]
     # a first tensor bigger than the first cap is a bucket of its own
     assert sizes(partition(params[:2], cap=400, first_cap=100)) == [[40], [40]]
+    # the crossing gradient stays out where it would pass the cap of every bucket
+    assert sizes(partition(params, cap=200, first_cap=100)) == [[10, 10, 10], [40], [40]]
+    assert sizes(partition(params, cap=150, first_cap=100)) == [[10, 10, 10], [40], [40]]
+
+
+def test_first_bucket_is_ddps():
+    """With DDP's caps (1 MiB first, 25 MiB after) the first bucket holds the parameters DDP's
+    own assignment puts in its first, for models whose small last layers precede a large one;
+    the later buckets never pass the cap."""
+    import torch.distributed as dist
+    from horovod_ext.torch.buckets import partition
+    first, cap = 1 << 20, 25 << 20
+    gen = torch.Generator().manual_seed(0)
+    shapes = [[(1024, 784), (1024,), (1024, 1024), (1024,), (10, 1024), (10,)]]   # the MLP
+    for _ in range(20):
+        count = int(torch.randint(2, 12, (1,), generator=gen))
+        shapes.append([(int(n),) for n in torch.randint(1, 3 << 20, (count,), generator=gen)])
+    for case in shapes:
+        params = [torch.empty(s) for s in case]
+        ours = partition(params, cap, first)
+        reverse = list(reversed(params))
+        theirs, _ = dist._compute_bucket_assignment_by_size(reverse, [first, cap],
+                                                            [False] * len(reverse))
+        ddp_first = [reverse[i] for i in theirs[0]]
+        if sum(p.numel() * 4 for p in ddp_first) <= cap:
+            assert [id(p) for p in ours[0]] == [id(p) for p in ddp_first], case
+        assert all(sum(p.numel() * 4 for p in g) <= cap or len(g) == 1 for g in ours[1:]), case
+        assert [p for g in ours for p in g] == reverse
 
 
 @pytest.mark.timeout(180)

@@ -18,9 +18,12 @@ default (HOROVOD_GRADIENT_BUCKET_PLAN=auto) the one that trains clearly faster s
 (reduction/plan_trial.py; on one host, the size buckets). No bucket holds more than
 HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; capped by
 HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
-as in Horovod). By size, HOROVOD_FIRST_BUCKET_BYTES caps the first bucket, backward's
-first gradients, at 1 MiB by default, as DDP's first bucket, so that its reduction starts while
-backward goes on (0 gives it the others' cap), and the rest hold up to the cap. A ``.grad`` that is
+as in Horovod). By size, the first bucket, backward's first gradients, closes once it holds
+HOROVOD_FIRST_BUCKET_BYTES (1 MiB by default; 0: it is capped as the others), the gradient that
+crosses that size included (within the cap), as DDP cuts its first bucket: its reduction starts while
+backward goes on, and where a large gradient follows a few small ones (an MLP's 4 MB hidden
+layer after its 40 KB output layer) it still carries half the model, not only the small ones.
+The rest hold up to the cap. A ``.grad`` that is
 not the bucket's slice when it is ready (after ``zero_grad(set_to_none=True)``, the default, a
 user's assignment, ``create_graph`` backward) is copied in and the slice takes its place. The
 default zero_grad relies on that on purpose: one copy of autograd's fresh gradient costs less than
@@ -72,7 +75,8 @@ class Bucket:
 
 def plan(params: Sequence[torch.Tensor], cap: int, first_cap: int = 0) -> List[Bucket]:
     """Buckets of at most ``cap`` bytes (a bigger tensor alone) over ``params`` in reverse
-    order, split where dtype or device changes; the first at most ``first_cap`` when set."""
+    order, split where dtype or device changes; the first closes as soon as it holds
+    ``first_cap``, when set."""
     return [Bucket(i, members) for i, members in enumerate(partition(params, cap, first_cap))]
 
 
@@ -84,13 +88,15 @@ def partition(params: Sequence[torch.Tensor], cap: int,
     used = 0
     for p in reversed(list(params)):
         nbytes = p.numel() * p.element_size()
-        limit = min(cap, first_cap) if first_cap and not groups else cap
         if current and ((p.dtype, p.device) != (current[0].dtype, current[0].device)
-                        or used + nbytes > limit):
+                        or used + nbytes > cap):
             groups.append(current)
             current, used = [], 0
         current.append(p)
         used += nbytes
+        if first_cap and not groups and used >= first_cap:
+            groups.append(current)
+            current, used = [], 0
     if current:
         groups.append(current)
     return groups
