@@ -221,7 +221,8 @@ def main():
              [s for s in _spawn.LAN_SETTINGS if args.lab or SETTINGS[s][0] == "loopback"])
     variants = [_variant(v) for v in args.variants.split(",")]
     report = {"variants": {v: VARIANT_ENV[v] for v in variants}, "models": args.models,
-              "batch_per_rank": args.batch, "warmup": args.warmup, "blocks": args.blocks, "steps": args.steps, "timed": args.timed, "settings": {}}
+              "batch_per_rank": args.batch, "warmup": args.warmup, "blocks": args.blocks,
+              "steps": args.steps, "timed": args.timed, "settings": {}}
     for setting in _spawn.by_link_rate(names, lambda n: SETTINGS[n][1]):
         report["settings"][setting] = {v: run(args, setting, v) for v in variants}
         print(markdown({"blocks": args.blocks,

@@ -695,7 +695,8 @@ def parser():
     p.add_argument("--timeout", type=float, default=5400, help="seconds per setting")
     p.add_argument("--count-nic", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier report")
-    p.add_argument("--markdown", metavar="JSON", help="only print an earlier report's tables")
+    p.add_argument("--markdown", metavar="JSON", nargs="+",
+                   help="only print earlier reports' tables, one report after another")
     p.add_argument("--loopback-only", default="", metavar="METHODS",
                    help="of --methods, those run on the loopback settings only (the reference "
                         "of a long run over slow lab links)")
@@ -788,8 +789,10 @@ def main():
     if args.worker:
         return worker(args)
     if args.markdown:
-        report = _spawn.read_report(args.markdown)
-        return print(markdown(report) + "\n" + comparisons(report))
+        for path in args.markdown:
+            report = _spawn.read_report(path)
+            print(markdown(report) + "\n" + comparisons(report))
+        return None
     if args.derive:
         report = _spawn.read_report(args.derive)
         report["derived"] = derived(report)

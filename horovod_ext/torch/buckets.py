@@ -20,14 +20,14 @@ HOROVOD_GRADIENT_BUCKET_BYTES (default 25 MiB, as DDP's ``bucket_cap_mb``; cappe
 HOROVOD_FUSION_THRESHOLD; either at 0 turns buckets off and every gradient is its own request,
 as in Horovod). By size, the first bucket, backward's first gradients, closes once it holds
 HOROVOD_FIRST_BUCKET_BYTES (1 MiB by default; 0: it is capped as the others), the gradient that
-crosses that size included (within the cap), as DDP cuts its first bucket: its reduction starts while
-backward goes on, and where a large gradient follows a few small ones (an MLP's 4 MB hidden
-layer after its 40 KB output layer) it still carries half the model, not only the small ones.
-The rest hold up to the cap. A ``.grad`` that is
-not the bucket's slice when it is ready (after ``zero_grad(set_to_none=True)``, the default, a
-user's assignment, ``create_graph`` backward) is copied in and the slice takes its place. The
-default zero_grad relies on that on purpose: one copy of autograd's fresh gradient costs less than
-zeroing the bucket and then accumulating into it."""
+crosses that size included (within the cap), as DDP cuts its first bucket: its reduction starts
+while backward goes on, and where a large gradient follows a few small ones (an MLP's 4 MB
+hidden layer after its 40 KB output layer) it still carries half the model, not only the small
+ones. The rest hold up to the cap. A ``.grad`` that is not the bucket's slice when it is ready
+(after ``zero_grad(set_to_none=True)``, the default, a user's assignment, ``create_graph``
+backward) is copied in and the slice takes its place. The default zero_grad relies on that on
+purpose: one copy of autograd's fresh gradient costs less than zeroing the bucket and then
+accumulating into it."""
 from typing import Dict, List, Sequence
 
 import torch
