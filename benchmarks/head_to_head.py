@@ -792,7 +792,7 @@ def main():
         for path in args.markdown:
             report = _spawn.read_report(path)
             print(markdown(report) + "\n" + comparisons(report))
-        return None
+        return
     if args.derive:
         report = _spawn.read_report(args.derive)
         report["derived"] = derived(report)
