@@ -146,25 +146,19 @@ def _buckets(row) -> str:
 
 
 def markdown(report) -> str:
-    """One table per setting: each model and variant's step times and their ratio block by
-    block (round by round in reports made before blocks), and the buckets of the last block
-    (reports that kept them)."""
+    """One table per setting: each model and variant's step times, their ratio block by block
+    and in how many blocks ours was faster, and the buckets of the last block."""
     out = []
-    blocks = report.get("blocks")
     for setting, variants in report["settings"].items():
-        rows = [(v, kind, row) for v, models in variants.items() for kind, row in models.items()]
-        kept = all("bucket_bytes" in row for _, _, row in rows)
-        span = f"{blocks} blocks" if blocks else f"{report['reps']} rounds"
-        out += [f"**{setting}** (step ms, median (min-max) of {span})", "",
-                "| model | variant | ddp ms | hvd ms | hvd / ddp |"
-                + (" hvd faster |" if blocks else "") + (" buckets |" if kept else ""),
-                "|---|---|---|---|---|" + ("---|" if blocks else "") + ("---|" if kept else "")]
-        for variant, kind, row in rows:
-            ratios = [h / d for h, d in zip(row["hvd"], row["ddp"])]
-            faster = f" {sum(r < 1 for r in ratios)} of {len(ratios)} |" if blocks else ""
-            out.append(f"| {kind} | {variant} | {_cell(row['ddp'])} | {_cell(row['hvd'])} | "
-                       f"{_cell(ratios, 1.0, '.3f')} |" + faster
-                       + (f" {_buckets(row)} |" if kept else ""))
+        out += [f"**{setting}** (step ms, median (min-max) of {report['blocks']} blocks)", "",
+                "| model | variant | ddp ms | hvd ms | hvd / ddp | hvd faster | buckets |",
+                "|---|---|---|---|---|---|---|"]
+        for variant, models in variants.items():
+            for kind, row in models.items():
+                ratios = [h / d for h, d in zip(row["hvd"], row["ddp"])]
+                out.append(f"| {kind} | {variant} | {_cell(row['ddp'])} | {_cell(row['hvd'])} | "
+                           f"{_cell(ratios, 1.0, '.3f')} | {sum(r < 1 for r in ratios)} of "
+                           f"{len(ratios)} | {_buckets(row)} |")
         out.append("")
     return "\n".join(out)
 
