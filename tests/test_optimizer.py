@@ -261,6 +261,94 @@ def test_bucket_adopts_whatever_gradient_it_finds():
     assert b.flat.tolist() == [0, 5, 0, 0, 0, 0]
 
 
+def test_bucket_divides_as_it_adopts():
+    """With a divisor the copy divides, and a gradient already in its slice is divided there."""
+    from horovod_ext.torch.buckets import Bucket
+    p = torch.nn.Parameter(torch.zeros(2, 3))
+    b = Bucket(0, [p])
+    grad = torch.randn(2, 3)
+    p.grad = grad.clone()
+    b.adopt(p, sparse_ok=False, name="w", divisor=4)
+    assert torch.equal(p.grad, grad / 4) and p.grad.data_ptr() == b.flat.data_ptr()
+    p.grad.add_(grad)                      # accumulated in its slice
+    b.adopt(p, sparse_ok=False, name="w", divisor=4)
+    assert torch.equal(b.flat.view(2, 3), (grad / 4 + grad) / 4)
+
+
+@pytest.mark.parametrize("ranks,dtype,compression,predivide,op,divisor", [
+    (2, torch.float32, "none", 1.0, "average", 2),
+    (8, torch.float64, "none", 1.0, "average", 8),
+    (4, torch.bfloat16, "none", 1.0, "average", 4),
+    (3, torch.float32, "none", 1.0, "average", 1),     # 1/3 rounds: divided after the sum
+    (6, torch.float32, "none", 1.0, "average", 1),
+    (1, torch.float32, "none", 1.0, "average", 1),
+    (2, torch.float16, "none", 1.0, "average", 1),     # fp16's subnormals start at 6e-5
+    (2, torch.float32, "fp16", 1.0, "average", 1),     # the wire is fp16
+    (2, torch.float32, "none", 4.0, "average", 1),     # Horovod's predivide factor applies
+    (2, torch.float32, "none", 1.0, "sum", 1),
+    (2, torch.float32, "none", 1.0, "max", 1),
+])
+def test_bucket_divisor(ranks, dtype, compression, predivide, op, divisor):
+    """Gradients are divided as they enter their bucket only where dividing first and summing
+    gives the average bit for bit."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.ops import get_op
+    from horovod_ext.torch.reduction.state import Settings
+    settings = Settings(op=get_op(op), compression=getattr(hvd.Compression, compression),
+                        process_set=hvd.global_process_set, predivide=predivide)
+    assert settings.bucket_divisor(dtype, ranks) == divisor
+
+
+def body_divided_buckets(set_to_none, bpps):
+    """A bucket's average, with its gradients divided as they came and then summed, is bit for
+    bit the average of the same flat gradients by ``hvd.allreduce(op=Average)``; returns the
+    ops the buckets were reduced with."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    r, n = hvd.rank(), hvd.size()
+    model, opt = make("sgd")
+    local, _ = make("sgd")        # the same model, trained on this rank's data alone
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=bpps)
+    engine = runtime.engine_for(0)
+    submit, ops = engine.submit, set()
+    engine.submit = lambda request, *a, **k: (
+        ops.add(request.op) if request.name.startswith("DistributedOptimizer.bucket") else None,
+        submit(request, *a, **k))[1]
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    lossf = torch.nn.CrossEntropyLoss()
+    for step in range(3):
+        opt.zero_grad(set_to_none=set_to_none)
+        local.zero_grad()
+        for micro in range(bpps):
+            x, y = data(step, micro, n)
+            mine = slice(r * BATCH, (r + 1) * BATCH)
+            for m in (model, local):
+                lossf(m(x[mine].double()), y[mine]).backward()
+        opt.synchronize()
+        [bucket] = opt._hvd.reducer.buckets
+        mine = list(local.parameters())
+        flat = torch.cat([mine[index[id(p)]].grad.reshape(-1)
+                          if mine[index[id(p)]].grad is not None
+                          else torch.zeros(p.numel(), dtype=p.dtype) for p in bucket.params])
+        expected = hvd.allreduce(flat, op=hvd.Average, name=f"reference.{step}")
+        assert torch.equal(bucket.flat, expected), step
+        with opt.skip_synchronize():
+            opt.step()
+        local.load_state_dict(model.state_dict())
+    engine.submit = submit
+    return sorted(ops)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np,set_to_none,bpps", [(2, True, 1), (4, False, 2)])
+def test_buckets_divide_before_they_sum(np, set_to_none, bpps):
+    """At 2 and 4 ranks (exact divisions) the buckets are summed after their gradients were
+    divided, gradients copied in (set_to_none) or accumulated in place over two passes."""
+    assert run_ranks(body_divided_buckets, np, "gloo", args=(set_to_none, bpps)) == \
+        [["sum"]] * np
+
+
 def body_bucket_views():
     """Gradients live in the buckets after every step, whichever zero_grad ran (the optimizer's
     with and without set_to_none, the module's); a replaced .grad and a second backward before

@@ -49,6 +49,10 @@ class Op:
     layer_buckets: bool = False
     # True for ops whose arithmetic needs real numbers (compression, dot products)
     floating_point_only: bool = False
+    # The registered op whose result on inputs already divided by the number of ranks is this
+    # op's result (Average: "sum"), or None: DistributedOptimizer may then divide each gradient
+    # as it copies it into its bucket, as DDP does, instead of in a pass after the transfer.
+    sum_of_divided: Optional[str] = None
 
     @property
     def elementwise(self) -> bool:

@@ -26,6 +26,7 @@ class ElementwiseOp(Op):
 class AverageOp(ElementwiseOp):
     """Sum divided by the number of ranks (integer tensors: truncated, as Horovod does)."""
     averages = True
+    sum_of_divided = "sum"
 
     def __init__(self):
         super().__init__("average", ReduceOp.SUM, bool_ok=False)

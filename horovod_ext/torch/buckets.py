@@ -27,7 +27,9 @@ ones. The rest hold up to the cap. A ``.grad`` that is not the bucket's slice wh
 (after ``zero_grad(set_to_none=True)``, the default, a user's assignment, ``create_graph``
 backward) is copied in and the slice takes its place. The default zero_grad relies on that on
 purpose: one copy of autograd's fresh gradient costs less than zeroing the bucket and then
-accumulating into it."""
+accumulating into it.  Where an average is the sum of gradients divided first, exactly
+(reduction.state.Settings.bucket_divisor), that copy divides too, as DDP's does, and the
+bucket is summed: no pass over it after the transfer."""
 from typing import Dict, List, Sequence
 
 import torch
@@ -51,14 +53,17 @@ class Bucket:
             offset += p.numel()
         self.ready: set = set()   # ids of parameters whose gradient is in, this step
 
-    def adopt(self, p: torch.Tensor, sparse_ok: bool, name: str):
-        """Make ``p.grad`` the bucket's slice, keeping its value (zeros when it has none)."""
+    def adopt(self, p: torch.Tensor, sparse_ok: bool, name: str, divisor: int = 1):
+        """Make ``p.grad`` the bucket's slice, keeping its value (zeros when it has none),
+        divided by ``divisor``: in the copy, when there is one."""
         view = self.views[id(p)]
         grad = p.grad
-        if grad is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() \
-                and grad.shape == view.shape:
-            return
         with torch.no_grad():
+            if grad is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() \
+                    and grad.shape == view.shape:
+                if divisor != 1:
+                    view.div_(divisor)
+                return
             if grad is None:
                 view.zero_()
             else:
@@ -66,7 +71,10 @@ class Bucket:
                     if not sparse_ok:
                         raise ValueError(f"sparse gradient for {name}: pass sparse_as_dense=True")
                     grad = grad.to_dense()
-                view.copy_(grad)
+                if divisor != 1:
+                    torch.div(grad, divisor, out=view)
+                else:
+                    view.copy_(grad)
         p.grad = view
 
     def zero_(self):

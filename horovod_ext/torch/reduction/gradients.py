@@ -120,6 +120,7 @@ class BucketReducer(GroupReducer):
         # them, until the order and times are learnt (bounded however many steps pass before)
         self.arrived: Dict[int, object] = {}
         self.clock = bucket_timing.ArrivalClock(self.layout.params)
+        self.ranks = None   # the process set's size, once a gradient has come
 
     def observed_order(self) -> List[int]:
         """Indices into the layout's parameters in the order their gradients arrived, those
@@ -150,16 +151,25 @@ class BucketReducer(GroupReducer):
             return
         if id(p) in bucket.ready:
             raise RuntimeError(self.again_message([p]))
-        bucket.adopt(p, self.settings.sparse_as_dense, self.layout.names[id(p)])
+        bucket.adopt(p, self.settings.sparse_as_dense, self.layout.names[id(p)],
+                     self.divisor(bucket))
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):
             self.reduce_bucket(bucket)
+
+    def divisor(self, bucket: _buckets.Bucket) -> int:
+        """What ``bucket``'s gradients are divided by as they come (Settings.bucket_divisor),
+        for this world: the step's first gradient fixes it until reset()."""
+        if self.ranks is None:
+            self.ranks = self.settings.process_set.size()
+        return self.settings.bucket_divisor(bucket.flat.dtype, self.ranks)
 
     def reduce_bucket(self, bucket: _buckets.Bucket) -> None:
         key = ("bucket", bucket.index)
         if key in self.pending:
             raise RuntimeError(self.again_message(bucket.params))
-        self.pending[key] = reduce_bucket(self.settings, bucket)
+        divided = self.divisor(bucket) != 1
+        self.pending[key] = reduce_bucket(self.settings, bucket, divided)
 
     def leave(self, p: torch.Tensor) -> None:
         """Take ``p``, whose gradient came sparse, out of its bucket for good: a bucket slice
@@ -200,6 +210,7 @@ class BucketReducer(GroupReducer):
     def reset(self) -> None:
         super().reset()
         self.arrived.clear()
+        self.ranks = None
         for b in self.buckets:
             b.ready.clear()
 

@@ -7,6 +7,7 @@ import torch
 
 from horovod_ext.backends.base import ReduceOp
 from horovod_ext.engine import NEXT_CYCLE
+from horovod_ext.ops import get_op
 from ..buckets import Bucket
 from ..mpi_ops import allreduce_async_, grouped_allreduce_async_, synchronize as wait
 from ..sparse import empty_sparse_like, sparse_allreduce_async
@@ -70,10 +71,12 @@ def reduce_gradients(settings: Settings, layout: Layout, params: Sequence[torch.
     return _allreduce(settings, params, targets, name, grouped, resparse)
 
 
-def reduce_bucket(settings: Settings, bucket: Bucket) -> DenseReduction:
-    """Start the reduction of a bucket's flat buffer, in place."""
+def reduce_bucket(settings: Settings, bucket: Bucket, divided: bool = False) -> DenseReduction:
+    """Start the reduction of a bucket's flat buffer, in place; ``divided``: its gradients were
+    divided by the number of ranks as they came (Settings.bucket_divisor), so it is summed."""
+    op = get_op(settings.op.sum_of_divided) if divided else None
     return _allreduce(settings, bucket.params, [bucket.flat],
-                      f"DistributedOptimizer.bucket.{bucket.index}", False, [])
+                      f"DistributedOptimizer.bucket.{bucket.index}", False, [], op)
 
 
 def reduce_now(settings: Settings, flat: torch.Tensor, name: str) -> None:
@@ -82,14 +85,14 @@ def reduce_now(settings: Settings, flat: torch.Tensor, name: str) -> None:
 
 
 def _allreduce(settings: Settings, params, targets, name: str, grouped: bool,
-               resparse) -> DenseReduction:
+               resparse, op=None) -> DenseReduction:
     compressed = [settings.compression.compress(t) for t in targets]
     wires = [wire for wire, _ in compressed]
-    pre, post = settings.scales()
+    pre, post = settings.scales() if op is None else (1.0, 1.0)
     # NEXT_CYCLE: the engine starts a cycle one cycle time after the first gradient, so the
     # reductions overlap the rest of backward and gradients arriving close together are
     # fused; step() starts the last cycle at once.
-    common = dict(name=name, op=settings.op, prescale_factor=pre, postscale_factor=post,
+    common = dict(name=name, op=op or settings.op, prescale_factor=pre, postscale_factor=post,
                   process_set=settings.process_set, _wake=NEXT_CYCLE)
     if grouped:
         handle = grouped_allreduce_async_(wires, **common)

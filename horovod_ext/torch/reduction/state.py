@@ -10,6 +10,8 @@ from horovod_ext.engine.process_sets import ProcessSet
 from horovod_ext.ops.base import Op
 from ..compression import Compressor
 
+EXACTLY_HALVED = (torch.float32, torch.float64, torch.bfloat16)
+
 if TYPE_CHECKING:
     from .base import Reducer
 
@@ -37,6 +39,18 @@ class Settings:
         if self.op.averages and self.predivide != 1.0:
             return 1.0 / self.predivide, self.predivide
         return 1.0, 1.0
+
+    def bucket_divisor(self, dtype: torch.dtype, ranks: Optional[int]) -> int:
+        """What a gradient bucket's gradients are divided by as they are copied into it, and
+        then summed (``op.sum_of_divided``), or 1: reduced by ``op`` itself.  Only where that
+        is the same result bit for bit: a power-of-two count of ranks (an exact division, which
+        commutes with the sum's roundings) in a dtype with float32's range (float16 gradients
+        would fall into its subnormals), with nothing between the bucket and the wire."""
+        if (self.op.sum_of_divided is None or self.predivide != 1.0 or not ranks or ranks < 2
+                or ranks & (ranks - 1) or dtype not in EXACTLY_HALVED
+                or self.compression.compress is not Compressor.compress):
+            return 1
+        return ranks
 
 
 @dataclass
