@@ -24,6 +24,7 @@ method and block: on ranks that share cores the step time follows it) and the pl
 medians.
 """
 import json
+import math
 import os
 import statistics
 import sys
@@ -160,7 +161,23 @@ def markdown(report) -> str:
                            f"{_cell(ratios, 1.0, '.3f')} | {sum(r < 1 for r in ratios)} of "
                            f"{len(ratios)} | {_buckets(row)} |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + _summary(report))
+
+
+def _summary(report) -> list:
+    """Over every cell: the geometric mean of the block ratios, how many cells' median ratio
+    is at most 1, and how many cells ours was faster, or slower, in every block."""
+    cells = [[h / d for h, d in zip(row["hvd"], row["ddp"])]
+             for variants in report["settings"].values() for models in variants.values()
+             for row in models.values()]
+    if len(cells) < 2:
+        return []
+    logs = [math.log(r) for ratios in cells for r in ratios]
+    return [f"**All {len(cells)} cells**: hvd / ddp {math.exp(statistics.fmean(logs)):.3f} "
+            f"(geometric mean of {len(logs)} block ratios); median ratio at most 1 in "
+            f"{sum(statistics.median(c) <= 1 for c in cells)} of {len(cells)} cells; ours "
+            f"faster in every block in {sum(max(c) < 1 for c in cells)}, slower in every "
+            f"block in {sum(min(c) > 1 for c in cells)}", ""]
 
 
 VARIANT_ENV = {"default": {}}

@@ -167,6 +167,14 @@ class Communicator(ABC):
         with the same memory, dtype and size), or None where this communicator cannot."""
         return None
 
+    def allreduce_started(self, tensor: torch.Tensor, op: ReduceOp,
+                          done: Callable[[Optional[BaseException]], None]) -> bool:
+        """Start an in-place allreduce of a contiguous floating-point ``tensor`` that goes on
+        while the caller does, where the transport can: True, and ``done(error or None)`` is
+        called once, from another thread, when it has ended; False: nothing started (call
+        ``allreduce``)."""
+        return False
+
     # --- dtype handling shared by all implementations ----------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
         """In-place allreduce; returns ``tensor``.  bool reduces as OR (sum, max) / AND."""

@@ -138,6 +138,12 @@ class Collectives:
         with trace.transfer(self.world, "ALLREDUCE", buffer):
             return self.world.allreduce(buffer, op)
 
+    def allreduce_started(self, buffer: torch.Tensor, op: ReduceOp,
+                          done: Callable[[Optional[BaseException]], None]) -> bool:
+        """``allreduce`` started and left running where it is one call of the world
+        communicator and its transport can (``Communicator.allreduce_started``)."""
+        return self.reduces_on_world(buffer) and self.world.allreduce_started(buffer, op, done)
+
     def allgather(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         if self.hierarchical_allgather and self.topology.hierarchy_applies:
             return hierarchical_allgather(tensor, self.topology, counts)

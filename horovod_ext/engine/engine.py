@@ -61,7 +61,7 @@ class Engine:
                       "fast_lane": 0}
         self._lane = Plans(comms, self._negotiator.cache)
         self._executor = Executor(comms, self.stats, lambda request, tensor: self._lane.keep(
-            request, tensor, self.config.cache_capacity))
+            request, tensor, self.config.cache_capacity), self._fail_everything)
         self._running: List[Request] = []     # taken out of _local for this round's execution
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._caller_cycle = False            # a blocked caller is running a cycle
@@ -201,6 +201,7 @@ class Engine:
             self._shutdown_requested = True
             self._cond.notify()
         self._thread.join(None if self._fatal is None else 1.0)  # failed: maybe in a transfer
+        self._executor.drain(self.config.timeout_s)   # transfers left running end or fail
 
     def fail_from_peer(self, reason: str):
         """A peer has failed (faults.py): fail every request with ``reason``, leave waits."""
@@ -386,7 +387,8 @@ class Engine:
             self._fatal, self._stopped = error, True
             self._cond.notify_all()
             leftovers = list(self._local.values()) + self._new
-            leftovers += [r for r in self._running if not r.handle.done()]
+            leftovers += [r for r in self._running + self._executor.in_flight()
+                          if not r.handle.done()]
             self._local, self._new, self._running = {}, [], []
         log.error("%s", error)
         if log.isEnabledFor(logging.DEBUG):   # a rank stuck in a transfer shows where

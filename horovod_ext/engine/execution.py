@@ -1,12 +1,16 @@
 """Execution: running negotiated batches, one runner per request kind, and finishing handles.
 
 Allreduces go through their op (``ops.reduce_flat``) on one flat buffer: the caller's own tensor
-in place where possible, a fusion buffer for several tensors.  Every other kind is one call on
+in place where possible, a fusion buffer for several tensors.  An elementwise one in place (a
+gradient bucket) is started and left running where the transport can (Gloo at three ranks or
+more, one call of the world communicator): the engine negotiates and starts the next meanwhile,
+so that a model's buckets share the wire as DDP's do, and its handle finishes when it ends.  Every other kind is one call on
 the set's communicators.  An op or a runner that raises on one rank of several leaves its peers
 waiting in the middle of a collective, with the transport in an unknown state: the error
 propagates and stops the engine, whose peers learn of it at once (faults.py).  Alone, a rank
 fails only the requests concerned.
 """
+import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -50,12 +54,17 @@ class Executor:
     tensor)`` is told of each lone synchronous allreduce that may recur (fast_lane.py)."""
 
     def __init__(self, comms: Collectives, stats: Dict[str, int],
-                 keep_plan: Callable[[Request, torch.Tensor], None]):
+                 keep_plan: Callable[[Request, torch.Tensor], None],
+                 on_failure: Callable[[BaseException], None] = lambda exc: None):
         self.comms = comms
         self.rank = comms.world.rank
         self.size = comms.world.size
         self.stats = stats
         self._keep_plan = keep_plan
+        self._on_failure = on_failure   # a transfer left running failed: stop the engine
+        self._ended = threading.Condition()
+        self._in_flight: Dict[int, Request] = {}   # id -> request whose transfer runs on
+        stats.setdefault("left_running", 0)
         self._fusion = FusionBuffers()
         self._runners: Dict[str, Callable[[Request, Metas], object]] = {
             "allgather": self._allgather, "broadcast": self._broadcast,
@@ -102,6 +111,8 @@ class Executor:
         alone = len(tensors) == 1
         target = first.outputs[0] if first.outputs and alone else None
         buffer = self._input_buffer(op, tensors, target)
+        if self._started(op, members, buffer, target):
+            return
         try:
             buffer = reduce_flat(op, buffer, layers, self.comms, first.prescale, first.postscale)
         except CommunicationError:
@@ -119,6 +130,51 @@ class Executor:
             return
         with trace.activity("MEMCPY_OUT_FUSION_BUFFER", trace.nbytes_of(buffer)):
             self._unpack(members, buffer, alone)
+
+    def _started(self, op: Op, members: List[Request], buffer: torch.Tensor, target) -> bool:
+        """An elementwise allreduce in place on the caller's tensor (a gradient bucket) is
+        started and left running where the transport can: the engine negotiates and starts
+        the next one meanwhile, and the handle finishes when the transfer ends."""
+        first = members[0]
+        if (target is None or len(members) > 1 or not op.elementwise or first.lane_key
+                or buffer.data_ptr() != target.data_ptr()
+                or (first.prescale, first.postscale) != (1.0, 1.0)):
+            return False
+        with self._ended:
+            self._in_flight[id(first)] = first
+
+        def done(error):
+            with self._ended:
+                self._in_flight.pop(id(first), None)
+                self._ended.notify_all()
+            if error is not None:   # the engine stops, failing this request with the rest
+                self._on_failure(error)
+                first.handle._finish(error=HorovodInternalError(
+                    f"allreduce of '{first.name}' failed: {error}"))
+                return
+            op.finish_(buffer, self.size)
+            first.handle._finish([target])
+
+        started = False
+        try:
+            started = self.comms.allreduce_started(buffer, op.reduce_op, done)
+            self.stats["left_running"] += started
+        finally:
+            if not started:
+                with self._ended:
+                    self._in_flight.pop(id(first), None)
+        return started
+
+    def in_flight(self) -> List[Request]:
+        """Requests whose transfer was started and runs on."""
+        with self._ended:
+            return list(self._in_flight.values())
+
+    def drain(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the transfers left running to end (each ends or
+        fails within the transport's own timeout); True when none is left."""
+        with self._ended:
+            return self._ended.wait_for(lambda: not self._in_flight, timeout)
 
     def _input_buffer(self, op: Op, tensors: List[torch.Tensor], target) -> torch.Tensor:
         """The flat buffer the op reduces: ``target`` (the caller's tensor) itself when the

@@ -1,0 +1,72 @@
+"""Allreduces left running: the engine starts an in-place elementwise allreduce (a gradient
+bucket) over Gloo at three ranks or more and negotiates the next one while it runs, as DDP
+keeps its buckets in flight together; results as before, failures within the same bound."""
+import os
+import time
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+# two pretend hosts, allreduces flat: every one is a call of the world communicator
+HOSTS = ["a", "a", "b", "b"]
+FLAT = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}
+
+
+def data(rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(1 << 18, generator=g), torch.randn(3000, generator=g).double()
+
+
+def body_buckets_in_flight():
+    """Two in-place requests at once, Sum and Average, then a third on the same tensor: each
+    gives the reference sum or mean; returns how many transfers were left running."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    r, n = hvd.rank(), hvd.size()
+    everyone = [data(k) for k in range(n)]
+    a, b = data(r)
+    ha = hvd.allreduce_async_(a, op=hvd.Sum, name="a")
+    hb = hvd.allreduce_async_(b, op=hvd.Average, name="b")
+    hvd.synchronize(hb)
+    hvd.synchronize(ha)
+    torch.testing.assert_close(a, sum(x for x, _ in everyone), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b, sum(y for _, y in everyone) / n, rtol=1e-12, atol=1e-12)
+    hvd.allreduce_(a, op=hvd.Sum, name="a.again")
+    torch.testing.assert_close(a, n * sum(x for x, _ in everyone), rtol=1e-5, atol=1e-4)
+    return runtime.engine().stats["left_running"]
+
+
+@pytest.mark.timeout(90)
+def test_transfers_left_running_give_the_reference_results():
+    counts = run_ranks(body_buckets_in_flight, 4, "gloo", env=FLAT, hostnames=HOSTS)
+    assert all(c >= 2 for c in counts), counts   # a and b at least, on every rank
+
+
+def body_rank_dies_while_in_flight():
+    """Rank 3 dies where it would start its transfer, after negotiating it: the others'
+    transfers, left running, wait for it, and fail at once with a message naming it."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    engine = runtime.engine()
+    if hvd.rank() == 3:
+        engine.comms.world.allreduce_started = lambda *args: os._exit(3)
+    start = time.monotonic()
+    try:
+        hvd.synchronize(hvd.allreduce_async_(torch.ones(1 << 16), op=hvd.Sum, name="stalled"))
+        return None
+    except hvd.HorovodInternalError as exc:
+        return str(exc), time.monotonic() - start, engine.stats["left_running"]
+
+
+@pytest.mark.timeout(120)
+def test_rank_dying_during_a_transfer_left_running_is_reported():
+    env = dict(FLAT, HOROVOD_HEARTBEAT_SECONDS="1", HOROVOD_COMM_TIMEOUT_SECONDS="60")
+    failure = run_ranks(body_rank_dies_while_in_flight, 4, "gloo", env=env, hostnames=HOSTS,
+                        expect_failure=True, timeout=60, settle_on=[0, 1, 2])
+    for rank in (0, 1, 2):
+        message, took, started = failure.results[rank]
+        assert started == 1, (rank, started)   # its transfer was left running
+        assert "rank 3" in message and "has died" in message, message
+        assert took < 10, took                 # not the 60 s transfer timeout
