@@ -24,11 +24,9 @@ def worker(args):
     import torch.distributed as dist
     hvd = _spawn.start_beside_ddp()
     buckets = [torch.randn(n // 4) for n in BUCKETS]
-    calls = iter(range(1 << 30))
 
-    def hvd_in_flight():
-        k = next(calls)
-        handles = [hvd.allreduce_async_(b, op=hvd.Sum, name=f"bucket{i}.{k}")
+    def hvd_in_flight():   # the same names every step, as DistributedOptimizer's buckets
+        handles = [hvd.allreduce_async_(b, op=hvd.Sum, name=f"bucket{i}.in_flight")
                    for i, b in enumerate(buckets)]
         for h in handles:
             hvd.synchronize(h)
