@@ -5,10 +5,10 @@ in place where possible, a fusion buffer for several tensors.  An elementwise on
 gradient bucket) is started and left running where the transport can (Gloo at three ranks or
 more, one call of the world communicator): the engine negotiates and starts the next meanwhile,
 so that a model's buckets share the wire as DDP's do, and its handle finishes when it ends.
-Every other kind is one call on the set's communicators.  An op or a runner that raises on one rank of several leaves its peers
-waiting in the middle of a collective, with the transport in an unknown state: the error
-propagates and stops the engine, whose peers learn of it at once (faults.py).  Alone, a rank
-fails only the requests concerned.
+Every other kind is one call on the set's communicators.  An op or a runner that raises on one
+rank of several leaves its peers waiting in the middle of a collective, with the transport in an
+unknown state: the error propagates and stops the engine, whose peers learn of it at once
+(faults.py).  Alone, a rank fails only the requests concerned.
 """
 import threading
 import time
