@@ -374,14 +374,14 @@ class Engine:
             r.handle._finish(error=HorovodInternalError(
                 f"horovod_ext was shut down before '{r.name}' could complete"))
 
-    def _fail_everything(self, exc: BaseException, tell_peers: bool = True):
-        """Stop the engine (its thread wakes and ends) and fail every request with ``exc``;
-        ``tell_peers``: this rank's own failure, which its peers may be waiting on."""
+    def _fail_everything(self, exc: BaseException, tell_peers: bool = True) -> BaseException:
+        """Stop the engine (its thread wakes and ends), fail every request with ``exc`` and return
+        what stopped it (an earlier failure first); ``tell_peers``: this rank's own failure."""
         with self._cond:
             if tell_peers and isinstance(exc, PeerClosedError):
                 self._cond.wait_for(lambda: self._fatal is not None, PEER_NOTICE_GRACE_S)
             if self._fatal is not None:   # failed already (a peer's notice came first)
-                return
+                return self._fatal
             error = HorovodInternalError(f"horovod_ext stopped on rank {self.rank}: {exc}")
             error.__cause__ = exc
             self._fatal, self._stopped = error, True
@@ -397,3 +397,4 @@ class Engine:
             self.report_failure(f"rank {self.rank} failed: {exc}")
         for r in leftovers:
             r.handle._finish(error=error)
+        return error

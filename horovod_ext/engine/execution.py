@@ -55,13 +55,14 @@ class Executor:
 
     def __init__(self, comms: Collectives, stats: Dict[str, int],
                  keep_plan: Callable[[Request, torch.Tensor], None],
-                 on_failure: Callable[[BaseException], None] = lambda exc: None):
+                 on_failure: Callable[[BaseException], Optional[BaseException]] = lambda e: None):
         self.comms = comms
         self.rank = comms.world.rank
         self.size = comms.world.size
         self.stats = stats
         self._keep_plan = keep_plan
-        self._on_failure = on_failure   # a transfer left running failed: stop the engine
+        # a transfer left running failed: stop the engine; returns the failure that stopped it
+        self._on_failure = on_failure
         self._ended = threading.Condition()
         self._in_flight: Dict[int, Request] = {}   # id -> request whose transfer runs on
         stats.setdefault("left_running", 0)
@@ -144,12 +145,15 @@ class Executor:
             self._in_flight[id(first)] = first
 
         def done(error):
+            if error is not None:
+                # the engine stops and fails this request with the rest, while it is still in
+                # flight: with a peer's report naming the cause, when one comes within a grace
+                failure = self._on_failure(error)
             with self._ended:
                 self._in_flight.pop(id(first), None)
                 self._ended.notify_all()
-            if error is not None:   # the engine stops, failing this request with the rest
-                self._on_failure(error)
-                first.handle._finish(error=HorovodInternalError(
+            if error is not None:
+                first.handle._finish(error=failure or HorovodInternalError(
                     f"allreduce of '{first.name}' failed: {error}"))
                 return
             op.finish_(buffer, self.size)
