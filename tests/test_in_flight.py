@@ -2,6 +2,7 @@
 bucket) over Gloo at three ranks or more and negotiates the next one while it runs, as DDP
 keeps its buckets in flight together; results as before, failures within the same bound."""
 import os
+import select
 import time
 
 import pytest
@@ -44,14 +45,32 @@ def test_transfers_left_running_give_the_reference_results():
     assert all(c >= 2 for c in counts), counts   # a and b at least, on every rank
 
 
-def body_rank_dies_while_in_flight():
-    """Rank 3 dies where it would start its transfer, after negotiating it: the others'
-    transfers, left running, wait for it, and fail at once with a message naming it."""
+def body_rank_dies_while_in_flight(fifo):
+    """Rank 3 dies where it would start its transfer, after negotiating it, once the three
+    others have left theirs running (each writes a byte to ``fifo`` when its transfer has
+    started): those transfers wait for it, and fail at once with a message naming it."""
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime
     engine = runtime.engine()
+    world = engine.comms.world
     if hvd.rank() == 3:
-        engine.comms.world.allreduce_started = lambda *args: os._exit(3)
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+
+        def die(*args):
+            got, deadline = b"", time.monotonic() + 30
+            while len(got) < 3 and select.select([reader], [], [], deadline - time.monotonic())[0]:
+                got += os.read(reader, 3 - len(got))
+            os._exit(3)
+        world.allreduce_started = die
+    else:
+        start_transfer = world.allreduce_started
+
+        def start_and_tell(*args):
+            started = start_transfer(*args)
+            with open(fifo, "wb") as out:
+                out.write(b"1" if started else b"0")
+            return started
+        world.allreduce_started = start_and_tell
     start = time.monotonic()
     try:
         hvd.synchronize(hvd.allreduce_async_(torch.ones(1 << 16), op=hvd.Sum, name="stalled"))
@@ -61,14 +80,20 @@ def body_rank_dies_while_in_flight():
 
 
 @pytest.mark.timeout(120)
-def test_rank_dying_during_a_transfer_left_running_is_reported():
+def test_rank_dying_during_a_transfer_left_running_is_reported(tmp_path):
     env = dict(FLAT, HOROVOD_HEARTBEAT_SECONDS="1", HOROVOD_COMM_TIMEOUT_SECONDS="60")
-    failure = run_ranks(body_rank_dies_while_in_flight, 4, "gloo", env=env, hostnames=HOSTS,
-                        expect_failure=True, timeout=60, settle_on=[0, 1, 2])
+    fifo = str(tmp_path / "started")
+    os.mkfifo(fifo)
+    # held open for reading and writing here, so no rank's open of it waits for another's
+    keep = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        failure = run_ranks(body_rank_dies_while_in_flight, 4, "gloo", env=env, args=(fifo,),
+                            hostnames=HOSTS, expect_failure=True, timeout=60,
+                            settle_on=[0, 1, 2])
+    finally:
+        os.close(keep)
     results = [failure.results[rank] for rank in (0, 1, 2)]
-    # A rank whose engine learns of the death before it starts fails there; the others' were
-    # left running when rank 3 died (its own start came after the round that agreed on it).
-    assert sum(started for _, _, started in results) >= 1, results
+    assert [started for _, _, started in results] == [1, 1, 1], results
     for message, took, _ in results:
         assert "rank 3" in message and "has died" in message, message
         assert took < 10, took                 # not the 60 s transfer timeout

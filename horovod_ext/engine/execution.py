@@ -136,8 +136,8 @@ class Executor:
         """An elementwise allreduce in place on the caller's tensor (a gradient bucket) is
         started and left running where the transport can: the engine negotiates and starts
         the next one meanwhile, and the handle finishes when the transfer ends."""
-        first = members[0]
-        if (target is None or len(members) > 1 or not op.elementwise or first.lane_key
+        first = members[0]   # the only one: ``target`` is set for a request of one tensor
+        if (target is None or not op.elementwise or first.lane_key
                 or buffer.data_ptr() != target.data_ptr()
                 or (first.prescale, first.postscale) != (1.0, 1.0)):
             return False

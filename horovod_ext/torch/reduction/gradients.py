@@ -120,7 +120,9 @@ class BucketReducer(GroupReducer):
         # them, until the order and times are learnt (bounded however many steps pass before)
         self.arrived: Dict[int, object] = {}
         self.clock = bucket_timing.ArrivalClock(self.layout.params)
-        self.ranks = None   # the process set's size, once a gradient has come
+        # bucket index -> Settings.bucket_divisor in this world, from the bucket's first
+        # gradient until reset() (a new world)
+        self.divisors: Dict[int, int] = {}
 
     def observed_order(self) -> List[int]:
         """Indices into the layout's parameters in the order their gradients arrived, those
@@ -159,10 +161,12 @@ class BucketReducer(GroupReducer):
 
     def divisor(self, bucket: _buckets.Bucket) -> int:
         """What ``bucket``'s gradients are divided by as they come (Settings.bucket_divisor),
-        for this world: the step's first gradient fixes it until reset()."""
-        if self.ranks is None:
-            self.ranks = self.settings.process_set.size()
-        return self.settings.bucket_divisor(bucket.flat.dtype, self.ranks)
+        in this world."""
+        divisor = self.divisors.get(bucket.index)
+        if divisor is None:
+            divisor = self.divisors[bucket.index] = self.settings.bucket_divisor(
+                bucket.flat.dtype, self.settings.process_set.size())
+        return divisor
 
     def reduce_bucket(self, bucket: _buckets.Bucket) -> None:
         key = ("bucket", bucket.index)
@@ -210,7 +214,7 @@ class BucketReducer(GroupReducer):
     def reset(self) -> None:
         super().reset()
         self.arrived.clear()
-        self.ranks = None
+        self.divisors.clear()
         for b in self.buckets:
             b.ready.clear()
 
