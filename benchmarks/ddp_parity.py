@@ -8,7 +8,7 @@
 What a DDP user measures first: ``hvd.DistributedOptimizer(Adam, op=hvd.Average)`` next to
 ``DistributedDataParallel`` (its defaults: 25 MB buckets and a 1 MB first bucket) in the same
 ranks.  Each method first runs ``--warmup`` untimed steps (DDP rebuilds its buckets after its
-first step; ours tries its bucket plans until the 28th), then the two take turns in ``--blocks``
+first step; ours tries its bucket plans until the 40th), then the two take turns in ``--blocks``
 blocks (Adam, random data, ``--batch`` samples per rank), the order swapped every block.  A
 block runs ``--steps`` steps of one method, its step time being the median of the last
 ``--timed`` on the slowest rank; the ratio is taken block by block against the other method's
@@ -21,7 +21,7 @@ JSON, which also keeps rank 0's median phases of a step per method and block (``
 zero_grad and forward, backward, opt.step(); DDP reduces inside backward, ours mostly waits in
 opt.step()), rank 0's processor time per step (``cpu_rank0``: every thread of the process, per
 method and block: on ranks that share cores the step time follows it) and the plan trial's
-medians.
+medians (over all, and per round: ``trial_rounds``).
 """
 import json
 import math
@@ -131,6 +131,9 @@ def worker(args):
         tried = opt._hvd.layout.trial_medians or {}
         results[kind]["trial_medians"] = {
             c.cut + (", hierarchical" if c.hierarchical else ""): m for c, m in tried.items()}
+        rounds = opt._hvd.layout.trial_rounds or {}
+        results[kind]["trial_rounds"] = {
+            c.cut + (", hierarchical" if c.hierarchical else ""): m for c, m in rounds.items()}
     _spawn.finish_beside_ddp(hvd, results, args.result)
 
 
@@ -212,7 +215,7 @@ def main():
     p.add_argument("--variants", default="default",
                    help="label=VAR:value+VAR:value, comma separated ('default': no variables)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--warmup", type=int, default=30, help="untimed steps of each method first")
+    p.add_argument("--warmup", type=int, default=45, help="untimed steps of each method first")
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--steps", type=int, default=10, help="steps of a method in a block")
     p.add_argument("--timed", type=int, default=8, help="the last steps of each block timed")

@@ -22,6 +22,23 @@ def test_visits_alternate_and_count_only_timed_steps():
     assert events == ([None, None, None, "next"] * 6)[:-1] + ["decide"]
     assert trial.durations == [[1.0] * 6, [2.0] * 6, [3.0] * 6]
     assert trial.medians() == [1.0, 2.0, 3.0]
+    assert trial.round_medians() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+
+
+@pytest.mark.timeout(10)
+def test_round_medians_keep_each_visit_apart():
+    """Candidate k's steps in round r last 10 r + k + (step index) s: each round's median is
+    the median of that visit's own steps."""
+    trial = PlanTrial([TIMED, SIZE], steps=3, rounds=2)
+    now, step = 0.0, 0
+    for _ in range(2 * 2 * (3 + 1)):
+        if trial.visit_marks:
+            step += 1
+            now += 10.0 * (trial.visit // 2) + trial.current + step
+        else:
+            step, now = 0, now + 100.0
+        trial.mark(now)
+    assert trial.round_medians() == [[2.0, 12.0], [3.0, 13.0]]
 
 
 @pytest.mark.timeout(10)
@@ -32,3 +49,16 @@ def test_the_size_buckets_stay_unless_another_is_clearly_faster():
     assert choose([TIMED, SIZE], [1.2, 1.0]) == 1
     assert choose([TIMED, HIER], [1.0, 0.97]) == 0                 # no size: the first
     assert choose([TIMED, HIER], [1.0, 0.80]) == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_candidate_must_also_win_every_round():
+    """One slow visit of the size buckets (3rd argument: medians per round) makes a candidate
+    look 9% faster over all; it was slower in the other round, so DDP's plan stays."""
+    assert choose([TIMED, SIZE], [0.99, 1.086], [[0.99, 0.99], [1.2, 0.95]]) == 1
+    assert choose([TIMED, SIZE], [0.99, 1.086], [[0.99, 0.99], [1.2, 1.05]]) == 0
+    # the fastest over all fails a round, the next one displaces DDP's plan
+    assert choose([TIMED, SIZE, HIER], [0.80, 1.0, 0.90],
+                  [[0.7, 1.2], [1.0, 1.0], [0.9, 0.9]]) == 2
+    assert choose([TIMED, SIZE, HIER], [0.80, 1.0, 0.90],
+                  [[0.7, 0.8], [1.0, 1.0], [0.9, 0.9]]) == 0

@@ -206,10 +206,11 @@ def _continue_trial(state: OptimizerState, broadcast) -> None:
     if event is None:
         return
     if event == "decide":
-        medians = broadcast(trial.medians())
+        medians, rounds = broadcast((trial.medians(), trial.round_medians()))
         layout.trial_medians = dict(zip(trial.candidates, medians))
+        layout.trial_rounds = dict(zip(trial.candidates, rounds))
         layout.trial = None
-        best = plan_trial.choose(trial.candidates, medians)
+        best = plan_trial.choose(trial.candidates, medians, rounds)
         if best == trial.current:
             return                     # it is the plan already
         candidate = trial.candidates[best]

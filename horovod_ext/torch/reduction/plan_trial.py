@@ -6,16 +6,18 @@ slowest local rank's backward. So, with HOROVOD_GRADIENT_BUCKET_PLAN=auto (the d
 hosts, DistributedOptimizer trains with each candidate in turn: the buckets cut from the measured
 times, the buckets by size alone, and, where the way of the world's allreduces is open
 (engine.hierarchy_choice), the measured cut with the allreduces hierarchical.  Each is visited
-``ROUNDS`` times in the same order (A B C A B C), so that a drift of the step time (warm caches,
+``ROUNDS`` times in the same order (A B C A B C A B C), so that a drift of the step time (warm caches,
 another job on the hosts) falls on every candidate alike; a visit is one untimed step under the
 new plan (its buffers are new) and ``STEPS`` timed ones.  DDP's plan (the size buckets, flat)
-stays unless another candidate's median step on rank 0 is shorter by more than ``MARGIN``: six
-steps do not separate plans closer than that (step times here move by 3-5% between rounds), and
-where a candidate won in the trial by less, it often lost afterwards."""
+stays unless another candidate's median step on rank 0 is shorter by more than ``MARGIN`` and
+its median was shorter in every round too: nine steps do not separate plans closer than that
+(step times here move by 3-5% between rounds), where a candidate won in the trial by less it
+often lost afterwards, and one slow visit of DDP's plan (another job's burst) once made the
+trial keep a plan that then ran 10% slower than DDP's."""
 import statistics
 from typing import List, NamedTuple, Optional
 
-ROUNDS = 2         # visits to each candidate
+ROUNDS = 3         # visits to each candidate
 STEPS = 3          # timed steps a visit
 MARGIN = 0.05      # how much shorter a median must be to displace DDP's plan
 
@@ -35,6 +37,7 @@ class PlanTrial:
         self.visit = 0
         self.visit_marks: List[float] = []
         self.durations: List[List[float]] = [[] for _ in candidates]
+        self.by_visit: List[List[float]] = [[] for _ in self.order]   # the same, per visit
 
     @property
     def current(self) -> int:
@@ -47,6 +50,7 @@ class PlanTrial:
         visit's first mark ends its untimed step and starts its first timed one."""
         if self.visit_marks:
             self.durations[self.current].append(now - self.visit_marks[-1])
+            self.by_visit[self.visit].append(now - self.visit_marks[-1])
         self.visit_marks.append(now)
         if len(self.visit_marks) <= self.steps:
             return None
@@ -60,11 +64,22 @@ class PlanTrial:
         """Each candidate's median step time over all its visits."""
         return [statistics.median(d) for d in self.durations]
 
+    def round_medians(self) -> List[List[float]]:
+        """Each candidate's median step time in each round (one visit a round), in order."""
+        return [[statistics.median(d) for d, c in zip(self.by_visit, self.order) if c == k]
+                for k in range(len(self.candidates))]
 
-def choose(candidates: List[Candidate], medians: List[float]) -> int:
-    """The candidate to keep, given each one's median step time: the fastest, if it beats the
-    incumbent (the size buckets, flat; else the first candidate) by more than ``MARGIN``, else
-    the incumbent."""
+
+def choose(candidates: List[Candidate], medians: List[float],
+           rounds: Optional[List[List[float]]] = None) -> int:
+    """The candidate to keep, given each one's median step time and, in ``rounds``, its median
+    in each round: the fastest of those that beat the incumbent (the size buckets, flat; else
+    the first candidate) by more than ``MARGIN`` over all and in every round, else the
+    incumbent."""
     incumbent = next((i for i, c in enumerate(candidates) if c == Candidate("size", False)), 0)
-    best = min(range(len(candidates)), key=medians.__getitem__)
-    return best if medians[best] < medians[incumbent] * (1 - MARGIN) else incumbent
+
+    def displaces(k: int) -> bool:
+        return medians[k] < medians[incumbent] * (1 - MARGIN) and (
+            rounds is None or all(a < b for a, b in zip(rounds[k], rounds[incumbent])))
+    return min((k for k in range(len(candidates)) if displaces(k)),
+               key=medians.__getitem__, default=incumbent)

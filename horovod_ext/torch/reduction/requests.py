@@ -75,8 +75,10 @@ def reduce_bucket(settings: Settings, bucket: Bucket, divided: bool = False) -> 
     """Start the reduction of a bucket's flat buffer, in place; ``divided``: its gradients were
     divided by the number of ranks as they came (Settings.bucket_divisor), so it is summed."""
     op = get_op(settings.op.sum_of_divided) if divided else None
+    # A bucket is a fused request already: waiting a cycle time for others to join it only
+    # delays its transfer (DDP starts a bucket's allreduce in the hook that fills it).
     return _allreduce(settings, bucket.params, [bucket.flat],
-                      f"DistributedOptimizer.bucket.{bucket.index}", False, [], op)
+                      f"DistributedOptimizer.bucket.{bucket.index}", False, [], op, wake=True)
 
 
 def reduce_now(settings: Settings, flat: torch.Tensor, name: str) -> None:
@@ -85,7 +87,7 @@ def reduce_now(settings: Settings, flat: torch.Tensor, name: str) -> None:
 
 
 def _allreduce(settings: Settings, params, targets, name: str, grouped: bool,
-               resparse, op=None) -> DenseReduction:
+               resparse, op=None, wake=NEXT_CYCLE) -> DenseReduction:
     compressed = [settings.compression.compress(t) for t in targets]
     wires = [wire for wire, _ in compressed]
     pre, post = settings.scales() if op is None else (1.0, 1.0)
@@ -93,7 +95,7 @@ def _allreduce(settings: Settings, params, targets, name: str, grouped: bool,
     # reductions overlap the rest of backward and gradients arriving close together are
     # fused; step() starts the last cycle at once.
     common = dict(name=name, op=op or settings.op, prescale_factor=pre, postscale_factor=post,
-                  process_set=settings.process_set, _wake=NEXT_CYCLE)
+                  process_set=settings.process_set, _wake=wake)
     if grouped:
         handle = grouped_allreduce_async_(wires, **common)
     else:

@@ -78,11 +78,12 @@ class Layout:
     # the flat and the hierarchical way's cost (None where the way is not open:
     # hierarchy_choice); which cut the buckets follow ("timed" or "size"); the trial of
     # candidate plans in progress (plan_trial.PlanTrial), and each candidate's median step time
-    # once it has ended (rank 0's)
+    # once it has ended, over all and per round (rank 0's)
     both_ways: Optional[tuple] = None
     cut: str = "size"
     trial: Optional[object] = None
     trial_medians: Optional[dict] = None
+    trial_rounds: Optional[dict] = None
     timing_generation: int = -1
 
     @classmethod
