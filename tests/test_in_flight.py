@@ -45,6 +45,35 @@ def test_transfers_left_running_give_the_reference_results():
     assert all(c >= 2 for c in counts), counts   # a and b at least, on every rank
 
 
+def body_two_ranks():
+    """Two ranks on two hosts, a near pair: buffers above the pair's exchange limit are summed
+    by Gloo's ring, left running (as DDP's buckets); a small one is exchanged, not left
+    running.  Returns the transfers left running."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends import pair_exchange
+    from horovod_ext.engine import runtime
+    pair_exchange.FAR_EXCHANGE_S = float("inf")   # near, however slow the probe on 2 cores
+    r = hvd.rank()
+    everyone = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * k + i))
+                 for i, n in enumerate((1 << 19, 3 << 17, 256))] for k in range(2)]
+    mine = [t.clone() for t in everyone[r]]
+    handles = [hvd.allreduce_async_(t, op=op, name=f"t{i}")
+               for i, (t, op) in enumerate(zip(mine, (hvd.Sum, hvd.Average, hvd.Sum)))]
+    for h in handles:
+        hvd.synchronize(h)
+    a, b = everyone
+    for got, want in zip(mine, (a[0] + b[0], (a[1] + b[1]) / 2, a[2] + b[2])):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert runtime.engine().comms.world.pair.max_bytes == pair_exchange.NEAR_MAX_BYTES
+    return runtime.engine().stats["left_running"]
+
+
+@pytest.mark.timeout(90)
+def test_two_ranks_leave_the_ring_sums_running():
+    counts = run_ranks(body_two_ranks, 2, "gloo", env=FLAT, hostnames=["a", "b"])
+    assert counts == [2, 2], counts   # the 2 MiB and 1.5 MiB ones; not the 1 KiB exchange
+
+
 def body_rank_dies_while_in_flight(fifo):
     """Rank 3 dies where it would start its transfer, after negotiating it, once the three
     others have left theirs running (each writes a byte to ``fifo`` when its transfer has

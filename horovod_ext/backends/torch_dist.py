@@ -215,12 +215,16 @@ class TorchCommunicator(Communicator):
         self._call(dist.all_reduce, t, op=_TORCH_OPS[op], group=group)
 
     def allreduce_started(self, tensor, op, done) -> bool:
-        """Over Gloo at three ranks or more, on host tensors (two ranks exchange whole buffers
-        instead, pair_exchange.py).  Gloo runs calls in flight side by side, so that two
-        buckets share the wire as DDP's do: at 4 ranks on 2 hosts over 1 Gbit/s, 83 ms for
-        4.2 MB and 3.2 MB in flight together against 97 ms one after the other."""
-        if (self.size < 3 or not tensor.is_floating_point() or self._aborted is not None
+        """Over Gloo, on host tensors, where Gloo's ring sums them (not where two ranks sum by
+        exchanging whole buffers, pair_exchange.py).  Gloo runs calls in flight side by side,
+        so that two buckets share the wire as DDP's do: at 4 ranks on 2 hosts over 1 Gbit/s,
+        83 ms for 4.2 MB and 3.2 MB in flight together against 97 ms one after the other."""
+        if (self.size < 2 or not tensor.is_floating_point() or self._aborted is not None
                 or self._nccl_for(tensor) or staging.needed(tensor, device_readable=False)):
+            return False
+        # as _allreduce decides (the pair's first decision is collective: both ranks make it
+        # at the same agreed request)
+        if self.size == 2 and op == ReduceOp.SUM and self.pair.takes(tensor):
             return False
         work = dist.all_reduce(tensor, op=_TORCH_OPS[op], group=self._cpu_group, async_op=True)
 
