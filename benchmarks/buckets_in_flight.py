@@ -72,7 +72,7 @@ def markdown(report) -> str:
 
 def main():
     p = _spawn.parser(__doc__, "buckets_in_flight.json")
-    p.add_argument("--settings", default="loopback-2x2,lab-1gbit-2x2",
+    p.add_argument("--settings", default="loopback-2x1,loopback-2x2,lab-1gbit-2x1,lab-1gbit-2x2",
                    help=f"of {', '.join(_spawn.LINK_SETTINGS)} (lab ones need root)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
