@@ -6,14 +6,14 @@ slowest local rank's backward. So, with HOROVOD_GRADIENT_BUCKET_PLAN=auto (the d
 hosts, DistributedOptimizer trains with each candidate in turn: the buckets cut from the measured
 times, the buckets by size alone, and, where the way of the world's allreduces is open
 (engine.hierarchy_choice), the measured cut with the allreduces hierarchical.  Each is visited
-``ROUNDS`` times in the same order (A B C A B C A B C), so that a drift of the step time (warm caches,
-another job on the hosts) falls on every candidate alike; a visit is one untimed step under the
-new plan (its buffers are new) and ``STEPS`` timed ones.  DDP's plan (the size buckets, flat)
-stays unless another candidate's median step on rank 0 is shorter by more than ``MARGIN`` and
-its median was shorter in every round too: nine steps do not separate plans closer than that
-(step times here move by 3-5% between rounds), where a candidate won in the trial by less it
-often lost afterwards, and one slow visit of DDP's plan (another job's burst) once made the
-trial keep a plan that then ran 10% slower than DDP's."""
+``ROUNDS`` times in the same order (A B C A B C A B C), so that a drift of the step time (warm
+caches, another job on the hosts) falls on every candidate alike; a visit is one untimed step
+under the new plan (its buffers are new) and ``STEPS`` timed ones.  DDP's plan (the size
+buckets, flat) stays unless another candidate's median step on rank 0 is shorter by more than
+``MARGIN`` and its median was shorter in every round too: nine steps do not separate plans
+closer than that (step times here move by 3-5% between rounds), where a candidate won in the
+trial by less it often lost afterwards, and a single slow visit of DDP's plan (another job's
+burst) can make a plan look 9% faster over all that then runs 10% slower than DDP's."""
 import statistics
 from typing import List, NamedTuple, Optional
 
