@@ -91,20 +91,13 @@ def _ddp_hook(events, size):
 
 
 def worker(args):
-    import torch
     import torch.distributed as dist
     hvd = _spawn.start_beside_ddp()
     events = []
     _instrument(events)
     results = {}
     for kind in args.models:
-        base, loss = ddp_parity.build(kind, args.batch)
-        ddp = torch.nn.parallel.DistributedDataParallel(base)
-        ddp.register_comm_hook(None, _ddp_hook(events, hvd.size()))
-        ours, _ = ddp_parity.build(kind, args.batch)
-        opt = hvd.DistributedOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-4),
-                                       named_parameters=ours.named_parameters(), op=hvd.Average)
-        runners = {"ddp": (ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4)), "hvd": (ours, opt)}
+        runners, loss = ddp_parity.runners(kind, args.batch, hvd, _ddp_hook(events, hvd.size()))
         steps = {name: [] for name in runners}
         for name, (model, optimizer) in runners.items():
             dist.barrier()

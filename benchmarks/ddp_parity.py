@@ -62,6 +62,27 @@ def build(kind, batch):
     return model, lambda m: F.cross_entropy(m(x), labels)
 
 
+def runners(kind, batch, hvd, ddp_hook=None):
+    """The same model twice, as DDP (with ``ddp_hook`` as its comm hook, if given) and in
+    ours with op=hvd.Average, each with Adam: ({"ddp": (model, optimizer), "hvd": (model,
+    DistributedOptimizer)}, the loss function)."""
+    import torch
+    base, loss = build(kind, batch)
+    ddp = torch.nn.parallel.DistributedDataParallel(base)
+    if ddp_hook is not None:
+        ddp.register_comm_hook(None, ddp_hook)
+    ours, _ = build(kind, batch)
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-4),
+                                   named_parameters=ours.named_parameters(), op=hvd.Average)
+    return {"ddp": (ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4)), "hvd": (ours, opt)}, loss
+
+
+def _labels(by_candidate) -> dict:
+    """The plan trial's figures by candidate, keyed by a readable label."""
+    return {c.cut + (", hierarchical" if c.hierarchical else ""): v
+            for c, v in (by_candidate or {}).items()}
+
+
 def step_times(model, opt, loss, steps):
     """Per-step wall times of ``steps`` training steps, each with its phases: zero_grad and
     forward, backward (DDP's reductions run inside it), and opt.step() (ours wait there)."""
@@ -80,7 +101,6 @@ def step_times(model, opt, loss, steps):
 
 
 def worker(args):
-    import torch
     import torch.distributed as dist
 
     hvd = _spawn.start_beside_ddp()
@@ -88,27 +108,23 @@ def worker(args):
     size = hvd.size()
     results = {}
     for kind in args.models:
-        base, loss = build(kind, args.batch)
-        ddp = torch.nn.parallel.DistributedDataParallel(base)
-        ours, _ = build(kind, args.batch)
-        opt = hvd.DistributedOptimizer(torch.optim.Adam(ours.parameters(), lr=1e-4),
-                                       named_parameters=ours.named_parameters(), op=hvd.Average)
-        runners = {"ddp": (ddp, torch.optim.Adam(ddp.parameters(), lr=1e-4)), "hvd": (ours, opt)}
-        medians = {name: [] for name in runners}
-        phases = {name: [] for name in runners}   # this rank's median forward, backward, step
+        methods, loss = runners(kind, args.batch, hvd)
+        ours, opt = methods["hvd"]
+        medians = {name: [] for name in methods}
+        phases = {name: [] for name in methods}   # this rank's median forward, backward, step
         stats = runtime.engine().stats
         cpu = {}
         cycles = []   # the engine's negotiation rounds per step, each block of ours
-        for name in runners:   # untimed: DDP rebuilds its buckets, ours tries its plans
+        for name in methods:   # untimed: DDP rebuilds its buckets, ours tries its plans
             dist.barrier()
-            step_times(*runners[name], loss, args.warmup)
+            step_times(*methods[name], loss, args.warmup)
         for block in range(args.blocks):
-            order = list(runners) if block % 2 == 0 else list(reversed(list(runners)))
+            order = list(methods) if block % 2 == 0 else list(reversed(list(methods)))
             for name in order:
                 dist.barrier()
                 before = stats["cycles"]
                 cpu0 = time.process_time()
-                times = step_times(*runners[name], loss, args.steps)[-args.timed:]
+                times = step_times(*methods[name], loss, args.steps)[-args.timed:]
                 cpu.setdefault(name, []).append((time.process_time() - cpu0) / args.steps)
                 medians[name].append(statistics.median(t[0] for t in times))
                 phases[name].append([statistics.median(t[i] for t in times) for i in (1, 2, 3)])
@@ -118,7 +134,7 @@ def worker(args):
         dist.all_gather_object(every, medians)
         # the slowest rank sets the pace
         results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.blocks)]
-                         for name in runners}
+                         for name in methods}
         results[kind]["phases_rank0"] = phases
         results[kind]["cpu_rank0"] = cpu
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
@@ -127,13 +143,10 @@ def worker(args):
         # the buckets the last block ran with (rank 0's plan is every rank's)
         results[kind]["bucket_bytes"] = [b.flat.numel() * b.flat.element_size()
                                          for b in getattr(opt._hvd.reducer, "buckets", [])]
-        # what the plan trial measured (rank 0's median step per candidate), where it ran
-        tried = opt._hvd.layout.trial_medians or {}
-        results[kind]["trial_medians"] = {
-            c.cut + (", hierarchical" if c.hierarchical else ""): m for c, m in tried.items()}
-        rounds = opt._hvd.layout.trial_rounds or {}
-        results[kind]["trial_rounds"] = {
-            c.cut + (", hierarchical" if c.hierarchical else ""): m for c, m in rounds.items()}
+        # what the plan trial measured (rank 0's median step per candidate, over all and per
+        # round), where it ran
+        results[kind]["trial_medians"] = _labels(opt._hvd.layout.trial_medians)
+        results[kind]["trial_rounds"] = _labels(opt._hvd.layout.trial_rounds)
     _spawn.finish_beside_ddp(hvd, results, args.result)
 
 

@@ -36,8 +36,7 @@ class PlanTrial:
         self.order = [c for _ in range(rounds) for c in range(len(candidates))]
         self.visit = 0
         self.visit_marks: List[float] = []
-        self.durations: List[List[float]] = [[] for _ in candidates]
-        self.by_visit: List[List[float]] = [[] for _ in self.order]   # the same, per visit
+        self.by_visit: List[List[float]] = [[] for _ in self.order]   # timed steps, per visit
 
     @property
     def current(self) -> int:
@@ -49,7 +48,6 @@ class PlanTrial:
         follows (``current`` is its candidate now), "decide" after the last, else None.  A
         visit's first mark ends its untimed step and starts its first timed one."""
         if self.visit_marks:
-            self.durations[self.current].append(now - self.visit_marks[-1])
             self.by_visit[self.visit].append(now - self.visit_marks[-1])
         self.visit_marks.append(now)
         if len(self.visit_marks) <= self.steps:
@@ -60,13 +58,22 @@ class PlanTrial:
             return "next"
         return "decide"
 
+    def visits_of(self, k: int) -> List[List[float]]:
+        """Candidate ``k``'s timed steps, visit by visit (one visit a round)."""
+        return [d for d, c in zip(self.by_visit, self.order) if c == k]
+
+    @property
+    def durations(self) -> List[List[float]]:
+        """Each candidate's timed steps over all its visits."""
+        return [sum(self.visits_of(k), []) for k in range(len(self.candidates))]
+
     def medians(self) -> List[float]:
         """Each candidate's median step time over all its visits."""
         return [statistics.median(d) for d in self.durations]
 
     def round_medians(self) -> List[List[float]]:
-        """Each candidate's median step time in each round (one visit a round), in order."""
-        return [[statistics.median(d) for d, c in zip(self.by_visit, self.order) if c == k]
+        """Each candidate's median step time in each round, in order."""
+        return [[statistics.median(d) for d in self.visits_of(k)]
                 for k in range(len(self.candidates))]
 
 
