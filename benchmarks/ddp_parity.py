@@ -147,6 +147,8 @@ def worker(args):
         # round), where it ran
         results[kind]["trial_medians"] = _labels(opt._hvd.layout.trial_medians)
         results[kind]["trial_rounds"] = _labels(opt._hvd.layout.trial_rounds)
+        # buckets summed on the bucket lane over every step of ours (HOROVOD_BUCKET_LANE)
+        results[kind]["lane_sums"] = opt._hvd.lane.sums if opt._hvd.lane is not None else 0
     _spawn.finish_beside_ddp(hvd, results, args.result)
 
 
@@ -159,6 +161,7 @@ def _buckets(row) -> str:
     """How many gradient buckets, and the largest in KiB."""
     sizes = row["bucket_bytes"]
     way = ", hierarchical" if row.get("hierarchical") else ""
+    way += ", on the lane" if row.get("lane_sums") else ""
     return (f"{len(sizes)}, up to {max(sizes) / 1024:.0f} KiB" if sizes else "none") + way
 
 

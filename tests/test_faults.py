@@ -315,7 +315,7 @@ def body_closed_connection_waits_for_the_cause():
     from horovod_ext.engine.runtime import state
     closed = PeerClosedError("rank 1 closed its connection: it has died or shut down")
     engine = state.engine
-    own = threading.Thread(target=engine._fail_everything, args=(closed,))
+    own = threading.Thread(target=engine.fail, args=(closed,))
     own.start()
     own.join(0.1)    # the engine's own failure goes first; the notice comes after it
     engine.fail_from_peer("rank 1 failed: injected failure on rank 1")
@@ -324,7 +324,7 @@ def body_closed_connection_waits_for_the_cause():
     hvd.shutdown()
     hvd.init()
     start = time.monotonic()
-    state.engine._fail_everything(closed)        # no notice follows: the closed socket it is
+    state.engine.fail(closed)        # no notice follows: the closed socket it is
     return explained, time.monotonic() - start, str(state.engine.failure)
 
 

@@ -57,6 +57,8 @@ class Topology:
     shared_memory: bool = False
     timeout: float = 60.0
     _in_node: Optional[shm.SharedMemoryGroup] = field(default=None, repr=False)
+    # communicators made over these ranks later (backends/lane.py), aborted and closed with them
+    _attached: List[Communicator] = field(default_factory=list, repr=False)
 
     @property
     def hierarchy_applies(self) -> bool:
@@ -192,6 +194,11 @@ class Topology:
         for comm in self._communicators():
             comm.close()
 
+    def attach(self, comm: Communicator) -> None:
+        """Abort and close ``comm`` with this topology's communicators."""
+        self._attached.append(comm)
+
     def _communicators(self):
-        """The cross, local and world communicators, each once (they may be one object)."""
-        return {id(c): c for c in (self.cross, self.local, self.world)}.values()
+        """The cross, local, world and attached communicators, each once (the first three may
+        be one object)."""
+        return {id(c): c for c in (self.cross, self.local, self.world, *self._attached)}.values()

@@ -61,7 +61,7 @@ class Engine:
                       "fast_lane": 0}
         self._lane = Plans(comms, self._negotiator.cache)
         self._executor = Executor(comms, self.stats, lambda request, tensor: self._lane.keep(
-            request, tensor, self.config.cache_capacity), self._fail_everything)
+            request, tensor, self.config.cache_capacity), self.fail)
         self._running: List[Request] = []     # taken out of _local for this round's execution
         self._cycle_lock = threading.Lock()   # held by whichever thread runs a cycle
         self._caller_cycle = False            # a blocked caller is running a cycle
@@ -156,8 +156,7 @@ class Engine:
         try:
             messages = self.control.agree(plan.message, True)
         except BaseException as exc:  # noqa: B902 - as a failed cycle: stops the engine
-            self._fail_everything(exc)
-            raise self._fatal from exc
+            raise self.fail(exc) from exc
         self.stats["cycles"] += 1
         self.stats["cache_hits"] += 1
         if messages is None:  # every rank sent this cached request alone: run it
@@ -182,8 +181,7 @@ class Engine:
         except Exception as exc:  # the peers may wait mid-transfer: stop, as on a lost peer
             if not isinstance(exc, CommunicationError):
                 exc = HorovodInternalError(f"allreduce of '{name}' failed: {exc}")
-            self._fail_everything(exc)
-            raise self._fatal from exc
+            raise self.fail(exc) from exc
         return tensor
 
     def reconfigure(self, config: Config):
@@ -206,7 +204,7 @@ class Engine:
     def fail_from_peer(self, reason: str):
         """A peer has failed (faults.py): fail every request with ``reason``, leave waits."""
         if not self._stopped:
-            self._fail_everything(CommunicationError(reason), tell_peers=False)
+            self.fail(CommunicationError(reason), tell_peers=False)
         self.comms.topology.abort_waits(reason)
         self.control.abort()
 
@@ -249,8 +247,8 @@ class Engine:
         try:
             stop = round_fn()
         except BaseException as exc:  # noqa: B902 - any failure must reach the waiting callers
-            self._fail_everything(exc)
-            stop = False  # _fail_everything has stopped the engine
+            self.fail(exc)
+            stop = False  # fail() has stopped the engine
         # Counted from the end of a cycle: after a long execution the caller gets a moment to
         # submit its next request before this rank negotiates again.
         self._last_end = time.monotonic()
@@ -345,7 +343,7 @@ class Engine:
             resolved.append((request, metas))
         batches = plan_batches(resolved, self.config.fusion_threshold,
                                self.config.fusion_max_tensor_bytes)
-        # A transport failure below stops the engine: _fail_everything must reach these too.
+        # A transport failure below stops the engine: fail must reach these too.
         self._running = [r for batch in batches for r in batch.requests]
         self._executor.run(batches)
         self._running = []
@@ -374,9 +372,10 @@ class Engine:
             r.handle._finish(error=HorovodInternalError(
                 f"horovod_ext was shut down before '{r.name}' could complete"))
 
-    def _fail_everything(self, exc: BaseException, tell_peers: bool = True) -> BaseException:
+    def fail(self, exc: BaseException, tell_peers: bool = True) -> BaseException:
         """Stop the engine (its thread wakes and ends), fail every request with ``exc`` and return
-        what stopped it (an earlier failure first); ``tell_peers``: this rank's own failure."""
+        what stopped it (an earlier failure first); ``tell_peers``: this rank's own failure.
+        Also for failures met outside a round (a bucket lane's sum, torch/reduction/lane.py)."""
         with self._cond:
             if tell_peers and isinstance(exc, PeerClosedError):
                 self._cond.wait_for(lambda: self._fatal is not None, PEER_NOTICE_GRACE_S)

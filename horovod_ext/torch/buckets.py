@@ -42,8 +42,12 @@ class Bucket:
         self.index = index
         self.params = list(params)
         first = self.params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=first.dtype,
-                                device=first.device)
+        total = sum(p.numel() for p in self.params)
+        # one value more, after the gradients: the bucket's vote on a lane
+        # (reduction/lane.py), summed with them there
+        self.storage = torch.zeros(total + 1, dtype=first.dtype, device=first.device)
+        self.flat = self.storage[:total]
+        self.vote = self.storage[total:]
         self.views: Dict[int, torch.Tensor] = {}
         offset = 0
         for p in self.params:

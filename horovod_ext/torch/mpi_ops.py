@@ -334,7 +334,12 @@ def join(device=-1) -> int:
     if torch.cuda.is_available() and (device >= 0 or torch.cuda.is_initialized()):
         gpu = [torch.empty(0, device=torch.device(
             "cuda", device if device >= 0 else torch.cuda.current_device()))]
-    return synchronize(_submit(Request(JOIN_NAME, "join", gpu), _first, wake=False))
+    from .reduction import lane   # here: the reduction package imports this module
+    farewells = lane.before_join()
+    try:
+        return synchronize(_submit(Request(JOIN_NAME, "join", gpu), _first, wake=False))
+    finally:
+        lane.after_join(farewells)
 
 
 def barrier(process_set=global_process_set):

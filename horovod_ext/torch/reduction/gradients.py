@@ -8,6 +8,7 @@ import torch
 
 from .. import bucket_timing, buckets as _buckets
 from .base import GradientReducer
+from .lane import LaneHolder, LaneStep
 from .requests import drain, reduce_bucket, reduce_gradients
 from .state import OptimizerState
 
@@ -123,6 +124,9 @@ class BucketReducer(GroupReducer):
         # bucket index -> Settings.bucket_divisor in this world, from the bucket's first
         # gradient until reset() (a new world)
         self.divisors: Dict[int, int] = {}
+        if state.lane is None:
+            state.lane = LaneHolder()
+        self.lane = LaneStep(self, state.lane)
 
     def observed_order(self) -> List[int]:
         """Indices into the layout's parameters in the order their gradients arrived, those
@@ -142,6 +146,7 @@ class BucketReducer(GroupReducer):
         return dict(zip(order, times + [last] * (len(order) - len(times))))
 
     def route(self, p: torch.Tensor) -> None:
+        self.lane.begin()
         if self.layout.timing_generation != self.progress.generation \
                 and id(p) not in self.arrived:
             self.arrived[id(p)] = self.clock.stamp()
@@ -168,7 +173,15 @@ class BucketReducer(GroupReducer):
                 bucket.flat.dtype, self.settings.process_set.size())
         return divisor
 
+    def synchronize(self) -> None:
+        self.lane.begin()   # where no gradient came: before the buckets it decides about
+        super().synchronize()
+
     def reduce_bucket(self, bucket: _buckets.Bucket) -> None:
+        if not self.lane.takes(bucket):
+            self.reduce_by_engine(bucket)
+
+    def reduce_by_engine(self, bucket: _buckets.Bucket) -> None:
         key = ("bucket", bucket.index)
         if key in self.pending:
             raise RuntimeError(self.again_message(bucket.params))
@@ -204,6 +217,7 @@ class BucketReducer(GroupReducer):
         return super().started() | {i for b in self.buckets for i in b.ready}
 
     def reduced(self) -> None:
+        self.lane.end()
         for b in self.buckets:
             b.ready.clear()
             # a .grad replaced after its hook ran was not reduced: the reduced slice wins
@@ -213,6 +227,7 @@ class BucketReducer(GroupReducer):
 
     def reset(self) -> None:
         super().reset()
+        self.lane.failed()
         self.arrived.clear()
         self.divisors.clear()
         for b in self.buckets:

@@ -126,6 +126,10 @@ def drain(reductions) -> None:
     """Wait for every request, ignoring their errors: after a failed step nothing may be left
     in flight under a name the next step reuses."""
     for reduction in reductions:
+        settle = getattr(reduction, "settle", None)
+        if settle is not None:
+            settle()
+            continue
         try:
             wait(reduction.handle)
         except Exception:  # noqa: B902 - the first error is the one raised

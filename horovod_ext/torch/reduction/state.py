@@ -14,6 +14,7 @@ EXACTLY_HALVED = (torch.float32, torch.float64, torch.bfloat16)
 
 if TYPE_CHECKING:
     from .base import Reducer
+    from .lane import LaneHolder
 
 
 @dataclass
@@ -146,6 +147,7 @@ class OptimizerState:
     progress: Progress
     plan: Optional[Plan] = None
     hooks: list = field(default_factory=list)     # the post-accumulate-grad hook handles
+    lane: Optional["LaneHolder"] = None           # its lane, once a bucket reducer made one
 
     @property
     def reducer(self) -> "Reducer":

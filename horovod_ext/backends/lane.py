@@ -1,0 +1,108 @@
+"""A lane: a Gloo group of its own over the world's ranks, for sums that every rank starts in the
+same order without the engine's agreement round before each one.
+
+The engine agrees on every request before it moves a byte, which costs a round trip through rank
+0 and two thread hand-offs per request (0.5-2 ms a gradient bucket where two ranks share two
+cores, ``benchmarks/bucket_timeline.py``); DDP needs none, because every rank calls all_reduce
+on its buckets in the same order.  A lane gives DistributedOptimizer that way for the steps
+where it knows every rank takes part (torch/reduction/lane.py decides which): its calls are
+matched by their order in the lane's own group, so they never mix with the engine's calls on
+the world's group.  The lane is made collectively, belongs to the topology of one ``hvd.init()``
+(aborted and closed with it), and is waited for in slices, so that a peer's failure ends a wait
+at once (liveness.py aborts it) and a silent peer ends it at ``LANE_TIMEOUT``.
+"""
+import datetime
+import logging
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .base import CommunicationError
+from .topology import Topology
+from .torch_dist import TorchCommunicator
+
+
+# How long a lane's sum waits for a peer that is alive: torch's default for Gloo groups, which
+# DDP's buckets wait for.  The engine's way waits for a slow peer (rank 0 writing a checkpoint
+# while the others start the next step) as long as it takes; a peer that died is noticed by its
+# heartbeat at once either way (liveness.py aborts the lane's waits).
+LANE_TIMEOUT = datetime.timedelta(minutes=30)
+WARN_AFTER_S = 60.0
+_SLICE = datetime.timedelta(milliseconds=100)   # how soon a wait sees an abort
+log = logging.getLogger("horovod_ext")
+
+
+def supported(topology: Topology) -> bool:
+    """Whether the world of ``topology`` can have a lane: torch.distributed's whole world
+    (not MPI), two ranks or more."""
+    world = topology.world
+    return (isinstance(world, TorchCommunicator) and world.size > 1
+            and world.global_ranks == list(range(world.size)))
+
+
+def open_lane(topology: Topology) -> Optional["Lane"]:
+    """A new lane over the world of ``topology``, or None where it cannot have one
+    (``supported``).  Collective over the world: every rank calls it at the same point."""
+    if not supported(topology):
+        return None
+    ranks = list(range(topology.world.size))
+    comm = TorchCommunicator(ranks, dist.new_group(ranks, timeout=LANE_TIMEOUT, backend="gloo"),
+                             None, LANE_TIMEOUT)
+    comm._owns_groups = True
+    topology.attach(comm)
+    return Lane(comm)
+
+
+class Lane:
+    """Sums of host tensors in the lane's own Gloo group, in the order they are started."""
+
+    def __init__(self, comm: TorchCommunicator):
+        self.comm = comm
+
+    def start(self, tensor: torch.Tensor) -> "LaneSum":
+        """Start summing ``tensor`` (a contiguous host tensor) over the world, in place."""
+        group = self.comm._cpu_group
+        return LaneSum(self, dist.all_reduce(tensor, group=group, async_op=True))
+
+
+class LaneSum:
+    """One sum in flight on a lane."""
+
+    __slots__ = ("_lane", "_work")
+
+    def __init__(self, lane: Lane, work):
+        self._lane = lane
+        self._work = work
+
+    def wait(self) -> None:
+        """Until the sum is done; CommunicationError when it failed or the lane was aborted.
+        After ``WARN_AFTER_S`` of waiting it says so once (the engine's way reports a late
+        rank by name; here the wait only knows that some rank has not started this sum)."""
+        comm, since = self._lane.comm, time.monotonic()
+        warned = False
+        while True:
+            comm._raise_if_aborted()
+            try:
+                self._work.wait(timeout=_SLICE)
+                return
+            except RuntimeError:
+                # the slice ran out, or the sum failed (a completed work's wait says which)
+                if self._work.is_completed():
+                    self._raise_failure()
+                    return
+            if not warned and time.monotonic() - since > WARN_AFTER_S:
+                warned = True
+                log.warning("rank %d: a gradient bucket's sum on the lane has waited %.0f s "
+                            "for a rank that has not reached this step (HOROVOD_BUCKET_LANE=0 "
+                            "sends buckets the engine's way, whose stall check names it)",
+                            comm.rank, WARN_AFTER_S)
+
+    def _raise_failure(self) -> None:
+        try:
+            self._work.wait()
+        except RuntimeError as failure:
+            comm = self._lane.comm
+            raise CommunicationError(f"a gradient bucket's sum on the lane failed on rank "
+                                     f"{comm.rank} of {comm.size}: {failure}") from failure

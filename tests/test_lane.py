@@ -1,0 +1,240 @@
+"""Lane steps (torch/reduction/lane.py): with HOROVOD_BUCKET_LANE=1 a settled optimizer sums
+its gradient buckets in index order on a Gloo group of its own, without an agreement round per
+bucket, in the steps whose ticket counts every rank; the results are those of the engine's way
+(checked against a single-process reference), and a step where a rank has joined, or where a
+rank's gradients never came, goes the engine's way or fills in as before."""
+import copy
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+# small buckets: several per step; no first bucket of its own
+LANE = {"HOROVOD_BUCKET_LANE": "1", "HOROVOD_GRADIENT_BUCKET_BYTES": "8192",
+        "HOROVOD_FIRST_BUCKET_BYTES": "0"}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                               torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def _batch(step, k):
+    return torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + k))
+
+
+def _reference_step(ref, ref_opt, step, ranks, size, loss=None):
+    """The step DistributedOptimizer takes, in one process: the sum of the gradients of
+    ``ranks`` (zeros where a parameter got none) over ``size`` ranks (a joined rank adds
+    zeros)."""
+    loss = loss or (lambda model, k: model(_batch(step, k)).pow(2).mean())
+    grads = []
+    for k in ranks:
+        ref_opt.zero_grad()
+        loss(ref, k).backward()
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                      for p in ref.parameters()])
+    for i, p in enumerate(ref.parameters()):
+        p.grad = sum(g[i] for g in grads) / size
+    ref_opt.step()
+
+
+def _pair(hvd, model):
+    """``model`` under DistributedOptimizer (SGD) and a copy with its plain SGD, the
+    reference."""
+    ref = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    return model, ref, opt, torch.optim.SGD(ref.parameters(), lr=0.1)
+
+
+def _largest_difference(model, ref):
+    return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def body_lane_steps(steps=8):
+    """Train ``steps`` steps beside the reference; returns the largest parameter difference,
+    the buckets summed on the lane and the buckets per step."""
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    model, ref, opt, ref_opt = _pair(hvd, _model())
+    for step in range(steps):
+        opt.zero_grad()
+        model(_batch(step, r)).pow(2).mean().backward()
+        opt.step()
+        _reference_step(ref, ref_opt, step, range(n), n)
+    return _largest_difference(model, ref), opt._hvd.lane.sums, len(opt._hvd.reducer.buckets)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 4])
+def test_lane_steps_give_the_reference_result(np):
+    results = run_ranks(body_lane_steps, np, "gloo", env=LANE)
+    for err, sums, buckets in results:
+        assert buckets >= 3
+        assert err < 1e-6
+        # the lane is made after the first full ticket (step 2 on one host): steps 3-8 on it
+        assert sums == 6 * buckets, (sums, buckets)
+
+
+@pytest.mark.timeout(120)
+def test_without_the_variable_no_lane():
+    env = dict(LANE, HOROVOD_BUCKET_LANE="0")
+    for err, sums, _ in run_ranks(body_lane_steps, 2, "gloo", env=env):
+        assert err < 1e-6 and sums == 0
+
+
+def body_join(steps_of):
+    """Rank k trains ``steps_of[k]`` steps, then joins: its farewell on the lane gives the
+    others' next step its zeros and turns the lane off; their steps after that go the engine's
+    way (their tickets count fewer than every rank), with the joined rank's zeros too."""
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    model, ref, opt, ref_opt = _pair(hvd, _model())
+    for step in range(steps_of[r]):
+        opt.zero_grad()
+        model(_batch(step, r)).pow(2).mean().backward()
+        opt.step()
+        _reference_step(ref, ref_opt, step, [k for k in range(n) if steps_of[k] > step], n)
+    hvd.join()
+    return _largest_difference(model, ref), opt._hvd.lane.sums, len(opt._hvd.reducer.buckets)
+
+
+@pytest.mark.timeout(120)
+def test_steps_after_a_rank_joined_go_the_engines_way():
+    results = run_ranks(body_join, 2, "gloo", env=LANE, args=([8, 5],))
+    for err, _, _ in results:
+        assert err < 1e-6
+    # steps 3-5 on the lane; rank 0's step 6 too, with rank 1's farewell; 7-8 the engine's
+    assert [sums for _, sums, _ in results] == [4 * results[0][2], 3 * results[1][2]], results
+
+
+def body_all_join(steps):
+    """Every rank trains the same steps and joins: the farewells meet each other."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.torch.reduction import lane
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        model(_batch(step, hvd.rank())).pow(2).mean().backward()
+        opt.step()
+    on_before = opt._hvd.lane.on
+    last = hvd.join()
+    return on_before, opt._hvd.lane.on, last in range(hvd.size()), len(lane._ON)
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_joining_at_once_meets_on_the_lane():
+    assert run_ranks(body_all_join, 2, "gloo", env=LANE, args=(5,)) == [(True, False, True, 0)] * 2
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(32, 64)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)])
+
+    def forward(self, x, head):
+        return self.heads[head](torch.relu(self.trunk(x)))
+
+
+def body_unused_head(steps=8):
+    """Each step every rank trains one of two heads, a different one on each rank: the other
+    head's gradients never come and are reduced as zeros, on the lane too."""
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    model, ref, opt, ref_opt = _pair(hvd, TwoHeads())
+    for step in range(steps):
+        def loss(m, k):
+            return m(_batch(step, k), (step + k) % 2).pow(2).mean()
+        opt.zero_grad()
+        loss(model, r).backward()
+        opt.step()
+        _reference_step(ref, ref_opt, step, range(n), n, loss)
+    return _largest_difference(model, ref), opt._hvd.lane.sums, len(opt._hvd.reducer.buckets)
+
+
+@pytest.mark.timeout(120)
+def test_gradients_that_never_came_are_zeros_on_the_lane():
+    for err, sums, buckets in run_ranks(body_unused_head, 2, "gloo", env=LANE):
+        assert buckets >= 2
+        assert err < 1e-6
+        assert sums == 6 * buckets, (sums, buckets)
+
+
+def body_rank_dies_on_the_lane():
+    """Rank 1 dies in its fourth step, having started its first bucket on the lane: rank 0,
+    whose every bucket of that step is on the lane, fails at once, naming rank 1."""
+    import os
+    import time
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends import lane
+    r = hvd.rank()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    buckets = len(opt._hvd.reducer.buckets)
+    if r == 1:
+        start, started = lane.Lane.start, []
+
+        def start_then_die(self, tensor):
+            if len(started) == buckets + 1:    # the second lane step's second bucket
+                os._exit(3)
+            started.append(1)
+            return start(self, tensor)
+        lane.Lane.start = start_then_die
+    began = time.monotonic()
+    try:
+        for step in range(6):
+            began = time.monotonic()
+            opt.zero_grad()
+            model(_batch(step, r)).pow(2).mean().backward()
+            opt.step()
+    except hvd.HorovodInternalError as exc:
+        return step, str(exc), time.monotonic() - began
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_dying_on_the_lane_is_reported_at_once():
+    env = dict(LANE, HOROVOD_HEARTBEAT_SECONDS="1", HOROVOD_COMM_TIMEOUT_SECONDS="60")
+    failure = run_ranks(body_rank_dies_on_the_lane, 2, "gloo", env=env, expect_failure=True,
+                        timeout=60, settle_on=[0])
+    step, message, took = failure.results[0]
+    assert step == 3, (step, message)
+    assert "rank 1" in message, message
+    assert took < 10, took                 # not the 60 s timeout
+
+
+def body_reinit():
+    """Five steps, hvd.shutdown() and hvd.init(), five more: the new world makes its own lane
+    (after its first full ticket), and the results stay the reference's."""
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    model, ref, opt, ref_opt = _pair(hvd, _model())
+    sums = []
+    for step in range(10):
+        if step == 5:
+            sums.append(opt._hvd.lane.sums)
+            hvd.shutdown()
+            hvd.init()
+        opt.zero_grad()
+        model(_batch(step, r)).pow(2).mean().backward()
+        opt.step()
+        _reference_step(ref, ref_opt, step, range(n), n)
+    sums.append(opt._hvd.lane.sums)
+    return _largest_difference(model, ref), sums, len(opt._hvd.reducer.buckets)
+
+
+@pytest.mark.timeout(120)
+def test_a_new_world_makes_its_own_lane():
+    for err, sums, buckets in run_ranks(body_reinit, 2, "gloo", env=LANE):
+        assert err < 1e-6
+        # steps 3-5 on the first world's lane; in the second, step 6 learns the order again,
+        # step 7 has the first full ticket, steps 8-10 go on the new lane
+        assert sums == [3 * buckets, 6 * buckets], (sums, buckets)
