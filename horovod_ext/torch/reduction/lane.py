@@ -65,7 +65,7 @@ class LaneHolder:
     def say_farewell(self) -> None:
         """Zeros and a vote of 0 for every bucket of a lane step, started now (hvd.join())."""
         self.turn(False)
-        for bucket in sorted(self.buckets, key=lambda b: b.index):
+        for bucket in self.buckets:   # in index order, as the reducer keeps them
             zeros = torch.zeros_like(bucket.storage)
             self.farewell.append((zeros, self.lane.start(zeros)))
 
@@ -169,7 +169,7 @@ class LaneStep:
             return False
         self.ready.add(bucket.index)
         pending = self.reducer.pending
-        for b in sorted(self.reducer.buckets, key=lambda b: b.index):
+        for b in self.reducer.buckets:   # in index order
             if b.index in self.launched:
                 continue
             if b.index not in self.ready:
@@ -188,8 +188,7 @@ class LaneStep:
         self.ticket = None
         self.clear()
         if on:
-            last = max(self.reducer.buckets, key=lambda b: b.index)
-            holder.turn(last.vote.item() == size)
+            holder.turn(self.reducer.buckets[-1].vote.item() == size)
         elif ticket is not None and _count(ticket) == size:
             if holder.current(generation) is None:
                 holder.lane = _lane.open_lane(runtime.topology())

@@ -33,6 +33,9 @@ class DenseReduction(NamedTuple):
         for p, dense, sparse_dim in self.resparse:
             p.grad = dense.to_sparse(sparse_dim)
 
+    def settle(self) -> None:
+        _settle(self.handle)
+
 
 class SparseGather(NamedTuple):
     """A sparse gradient being gathered; the gathered tensor becomes the gradient."""
@@ -41,6 +44,9 @@ class SparseGather(NamedTuple):
 
     def finish(self, compression) -> None:
         self.params[0].grad = wait(self.handle)
+
+    def settle(self) -> None:
+        _settle(self.handle)
 
 
 def zero_gradient(layout: Layout, p: torch.Tensor) -> torch.Tensor:
@@ -126,11 +132,12 @@ def drain(reductions) -> None:
     """Wait for every request, ignoring their errors: after a failed step nothing may be left
     in flight under a name the next step reuses."""
     for reduction in reductions:
-        settle = getattr(reduction, "settle", None)
-        if settle is not None:
-            settle()
-            continue
-        try:
-            wait(reduction.handle)
-        except Exception:  # noqa: B902 - the first error is the one raised
-            pass
+        reduction.settle()
+
+
+def _settle(handle) -> None:
+    """Wait for ``handle``, ignoring its error (``drain``)."""
+    try:
+        wait(handle)
+    except Exception:  # noqa: B902 - the first error is the one raised
+        pass
