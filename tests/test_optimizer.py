@@ -686,12 +686,21 @@ def test_buckets_cut_from_measured_times():
 
 
 def body_plan_chosen_by_step_times():
-    """Thirty steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
+    """Forty-five steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
     whether the averaged gradients match the mean of every rank's, computed here, and the plan
     after it (the buckets' cut and whether the world's allreduces are hierarchical); then the
     link cost the buckets are cut with, both ways' costs and the trial's medians."""
+    import itertools
+
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime
+    from horovod_ext.torch import bucket_timing
+
+    # Gradients stamped 1 us apart whatever the cores do: on shared cores a backward pass is
+    # now and then preempted between two hooks, and a measured gap longer than a reduction's
+    # latency would make the measured cut the size buckets, leaving nothing to try.
+    ticks = itertools.count()
+    bucket_timing.ArrivalClock.stamp = lambda self: next(ticks) * 1e-6
 
     def mlp():
         return torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
@@ -735,8 +744,8 @@ def test_plan_is_chosen_by_step_times(variable):
     more than 5% shorter and its median was shorter in every round, and then that one, its
     buckets cut with that way's link cost.  The averages are exact every step.  A first bucket of
     1000 bytes makes the size buckets put the last layer's bias alone, which a measured cut of
-    this model does not (its backward takes far less than a reduction's latency), so both are
-    tried: a candidate giving the same buckets as another is not."""
+    this model does not (its gradients are stamped 1 us apart, far less than a reduction's
+    latency), so both are tried: a candidate giving the same buckets as another is not."""
     from horovod_ext.torch.reduction import plan_trial
     env = {"HOROVOD_FIRST_BUCKET_BYTES": "1000"}
     if variable is not None:
