@@ -182,11 +182,11 @@ def body_rank_dies_on_the_lane():
     if r == 1:
         start, started = lane.Lane.start, []
 
-        def start_then_die(self, tensor):
+        def start_then_die(self, tensor, *args):
             if len(started) == buckets + 1:    # the second lane step's second bucket
                 os._exit(3)
             started.append(1)
-            return start(self, tensor)
+            return start(self, tensor, *args)
         lane.Lane.start = start_then_die
     began = time.monotonic()
     try:
@@ -238,3 +238,42 @@ def test_a_new_world_makes_its_own_lane():
         # steps 3-5 on the first world's lane; in the second, step 6 learns the order again,
         # step 7 has the first full ticket, steps 8-10 go on the new lane
         assert sums == [3 * buckets, 6 * buckets], (sums, buckets)
+
+
+def body_timeline(path, steps=6):
+    """Train ``steps`` steps with a timeline recording from the start; returns the buckets per
+    step and the lane's sums."""
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    hvd.start_timeline(path)
+    model, _, opt, _ = _pair(hvd, _model())
+    for step in range(steps):
+        opt.zero_grad()
+        model(_batch(step, r)).pow(2).mean().backward()
+        opt.step()
+    hvd.stop_timeline()
+    return len(opt._hvd.reducer.buckets), opt._hvd.lane.sums
+
+
+@pytest.mark.timeout(120)
+def test_lane_sums_show_on_the_timeline(tmp_path):
+    """Each lane sum is a GLOO_ALLREDUCE on its bucket's track, outside any engine execution
+    and without a negotiation: a bucket's track holds the engine's two steps (a negotiation
+    and an ALLREDUCE each), then the lane's four."""
+    from horovod_ext.engine import timeline
+    path = str(tmp_path / "lane.json")
+    (buckets, sums), _ = run_ranks(body_timeline, 2, "gloo", env=LANE, args=(path,))
+    assert sums == 4 * buckets                      # steps 3-6 on the lane
+    events = timeline.load(path)
+    pids = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    for index in range(buckets):
+        track = f"allreduce.DistributedOptimizer.bucket.{index}"
+        on_track = [e for e in events if pids.get(e.get("pid")) == track]
+        engine = [e for e in on_track if e["name"] == "ALLREDUCE"]   # an engine execution
+        alone = [e for e in on_track if e["name"] == "GLOO_ALLREDUCE" and not any(
+            x["ts"] <= e["ts"] <= x["ts"] + x["dur"] for x in engine)]
+        negotiations = [e for e in on_track if e["name"] == "NEGOTIATE_ALLREDUCE"]
+        assert len(engine) == 2 and len(negotiations) == 2, (track, on_track)
+        assert len(alone) == 4, (track, on_track)
+        assert all(e["ts"] > x["ts"] for e in alone for x in engine)
+        assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in alone)

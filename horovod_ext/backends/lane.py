@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import trace
 from .base import CommunicationError
 from .topology import Topology
 from .torch_dist import TorchCommunicator
@@ -61,10 +62,16 @@ class Lane:
     def __init__(self, comm: TorchCommunicator):
         self.comm = comm
 
-    def start(self, tensor: torch.Tensor) -> "LaneSum":
-        """Start summing ``tensor`` (a contiguous host tensor) over the world, in place."""
-        group = self.comm._cpu_group
-        return LaneSum(self, dist.all_reduce(tensor, group=group, async_op=True))
+    def start(self, tensor: torch.Tensor, track: Optional[str] = None) -> "LaneSum":
+        """Start summing ``tensor`` (a contiguous host tensor) over the world, in place; on a
+        recording timeline, a GLOO_ALLREDUCE on ``track`` from now until the sum is done."""
+        work = dist.all_reduce(tensor, group=self.comm._cpu_group, async_op=True)
+        if track is not None and trace.recorder is not None:
+            # ended by Gloo's thread when the sum completes, not when the step waits for it
+            span = trace.transfer(self.comm, "ALLREDUCE", tensor, tracks=(track,))
+            span.__enter__()
+            work.get_future().add_done_callback(lambda _: span.__exit__(None, None, None))
+        return LaneSum(self, work)
 
 
 class LaneSum:

@@ -20,7 +20,8 @@ every rank sees alike:
 Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 on every rank, Gloo, the optimizer over
 the world, the buckets' plan settled (plan_trial.py, no autotune), flat allreduces, host buckets
 whose gradients were divided by the number of ranks as they came (Settings.bucket_divisor: the
-lane sums them), no compression.  The timeline does not show the lane's sums.
+lane sums them), no compression.  On the timeline a lane's sum is a GLOO_ALLREDUCE on its bucket's track, with
+no negotiation before it.
 """
 import weakref
 from typing import List, Optional, Set
@@ -33,6 +34,7 @@ from horovod_ext.engine import runtime
 from horovod_ext.ops import Sum
 from ..buckets import Bucket
 from ..mpi_ops import allreduce_async_, synchronize as wait
+from .requests import bucket_name
 
 _ON: "weakref.WeakSet[LaneHolder]" = weakref.WeakSet()   # lanes on now, for hvd.join()
 
@@ -177,7 +179,8 @@ class LaneStep:
             self.launched.add(b.index)
             self.holder.sums += 1
             b.vote.fill_(1)
-            pending[("bucket", b.index)] = LaneSum(self.holder.lane.start(b.storage), b.params)
+            lane_sum = self.holder.lane.start(b.storage, f"allreduce.{bucket_name(b)}")
+            pending[("bucket", b.index)] = LaneSum(lane_sum, b.params)
         return True
 
     def end(self) -> None:

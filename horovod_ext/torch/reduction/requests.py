@@ -77,14 +77,19 @@ def reduce_gradients(settings: Settings, layout: Layout, params: Sequence[torch.
     return _allreduce(settings, params, targets, name, grouped, resparse)
 
 
+def bucket_name(bucket: Bucket) -> str:
+    """The request name of ``bucket``'s reduction."""
+    return f"DistributedOptimizer.bucket.{bucket.index}"
+
+
 def reduce_bucket(settings: Settings, bucket: Bucket, divided: bool = False) -> DenseReduction:
     """Start the reduction of a bucket's flat buffer, in place; ``divided``: its gradients were
     divided by the number of ranks as they came (Settings.bucket_divisor), so it is summed."""
     op = get_op(settings.op.sum_of_divided) if divided else None
     # A bucket is a fused request already: waiting a cycle time for others to join it only
     # delays its transfer (DDP starts a bucket's allreduce in the hook that fills it).
-    return _allreduce(settings, bucket.params, [bucket.flat],
-                      f"DistributedOptimizer.bucket.{bucket.index}", False, [], op, wake=True)
+    return _allreduce(settings, bucket.params, [bucket.flat], bucket_name(bucket), False, [],
+                      op, wake=True)
 
 
 def reduce_now(settings: Settings, flat: torch.Tensor, name: str) -> None:
