@@ -20,8 +20,8 @@ every rank sees alike:
 Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 on every rank, Gloo, the optimizer over
 the world, the buckets' plan settled (plan_trial.py, no autotune), flat allreduces, host buckets
 whose gradients were divided by the number of ranks as they came (Settings.bucket_divisor: the
-lane sums them), no compression.  On the timeline a lane's sum is a GLOO_ALLREDUCE on its bucket's track, with
-no negotiation before it.
+lane sums them), no compression.  On the timeline a lane's sum is a GLOO_ALLREDUCE on its
+bucket's track, with no negotiation before it.
 """
 import weakref
 from typing import List, Optional, Set
