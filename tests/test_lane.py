@@ -41,12 +41,13 @@ def _reference_step(ref, ref_opt, step, ranks, size, loss=None):
     ref_opt.step()
 
 
-def _pair(hvd, model):
-    """``model`` under DistributedOptimizer (SGD) and a copy with its plain SGD, the
-    reference."""
+def _pair(hvd, model, op=None):
+    """``model`` under DistributedOptimizer (SGD, ``op`` or Average) and a copy with its plain
+    SGD, the reference."""
     ref = copy.deepcopy(model)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(),
+                                   op=op or hvd.Average)
     return model, ref, opt, torch.optim.SGD(ref.parameters(), lr=0.1)
 
 
@@ -54,24 +55,27 @@ def _largest_difference(model, ref):
     return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
 
 
-def body_lane_steps(steps=8):
+def body_lane_steps(steps=8, op_name="Average"):
     """Train ``steps`` steps beside the reference; returns the largest parameter difference,
     the buckets summed on the lane and the buckets per step."""
     import horovod_ext.torch as hvd
     r, n = hvd.rank(), hvd.size()
-    model, ref, opt, ref_opt = _pair(hvd, _model())
+    model, ref, opt, ref_opt = _pair(hvd, _model(), getattr(hvd, op_name))
     for step in range(steps):
         opt.zero_grad()
         model(_batch(step, r)).pow(2).mean().backward()
         opt.step()
-        _reference_step(ref, ref_opt, step, range(n), n)
+        _reference_step(ref, ref_opt, step, range(n), n if op_name == "Average" else 1)
     return _largest_difference(model, ref), opt._hvd.lane.sums, len(opt._hvd.reducer.buckets)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np", [2, 4])
-def test_lane_steps_give_the_reference_result(np):
-    results = run_ranks(body_lane_steps, np, "gloo", env=LANE)
+@pytest.mark.parametrize("np,op_name", [(2, "Average"), (4, "Average"), (3, "Average"),
+                                        (2, "Sum")])
+def test_lane_steps_give_the_reference_result(np, op_name):
+    """Average at 2 and 4 ranks sums gradients divided as they came; at 3 ranks it divides
+    after the sum; Sum only sums."""
+    results = run_ranks(body_lane_steps, np, "gloo", env=LANE, args=(8, op_name))
     for err, sums, buckets in results:
         assert buckets >= 3
         assert err < 1e-6
@@ -84,6 +88,30 @@ def test_without_the_variable_no_lane():
     env = dict(LANE, HOROVOD_BUCKET_LANE="0")
     for err, sums, _ in run_ranks(body_lane_steps, 2, "gloo", env=env):
         assert err < 1e-6 and sums == 0
+
+
+def body_lane_sums_of(op_name, compression_name):
+    """The buckets summed on the lane over 8 steps of an optimizer with this op and
+    compression."""
+    import horovod_ext.torch as hvd
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   op=getattr(hvd, op_name),
+                                   compression=getattr(hvd.Compression, compression_name))
+    for step in range(8):
+        opt.zero_grad()
+        model(_batch(step, hvd.rank())).pow(2).mean().backward()
+        opt.step()
+    return opt._hvd.lane.sums
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op_name,compression_name", [("Sum", "fp16"), ("Average", "fp16"),
+                                                      ("Max", "none")])
+def test_ops_that_do_not_sum_stay_off_the_lane(op_name, compression_name):
+    assert run_ranks(body_lane_sums_of, 2, "gloo", env=LANE,
+                     args=(op_name, compression_name)) == [0, 0]
 
 
 def body_join(steps_of):

@@ -19,8 +19,8 @@ every rank sees alike:
 
 Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 on every rank, Gloo, the optimizer over
 the world, the buckets' plan settled (plan_trial.py, no autotune), flat allreduces, host buckets
-whose gradients were divided by the number of ranks as they came (Settings.bucket_divisor: the
-lane sums them), no compression.  On the timeline a lane's sum is a GLOO_ALLREDUCE on its
+of floats whose op sums (Sum; Average, divided as the gradients came where
+Settings.bucket_divisor allows, after the sum otherwise), no scale factors, no compression.  On the timeline a lane's sum is a GLOO_ALLREDUCE on its
 bucket's track, with no negotiation before it.
 """
 import weakref
@@ -29,10 +29,11 @@ from typing import List, Optional, Set
 import torch
 
 from horovod_ext.backends import lane as _lane
-from horovod_ext.backends.base import CommunicationError, PeerClosedError
+from horovod_ext.backends.base import CommunicationError, PeerClosedError, ReduceOp
 from horovod_ext.engine import runtime
 from horovod_ext.ops import Sum
 from ..buckets import Bucket
+from ..compression import Compressor
 from ..mpi_ops import allreduce_async_, synchronize as wait
 from .requests import bucket_name
 
@@ -96,13 +97,16 @@ def after_join(holders: List[LaneHolder]) -> None:
 
 
 class LaneSum:
-    """A bucket's sum on the lane, kept as the reducer's other reductions are."""
+    """A bucket's sum on the lane, kept as the reducer's other reductions are; ``op`` finishes
+    it (Average divides) where its gradients were not divided as they came."""
 
-    __slots__ = ("sum", "params")
+    __slots__ = ("sum", "params", "flat", "op", "ranks")
 
-    def __init__(self, lane_sum: _lane.LaneSum, params: List[torch.Tensor]):
+    def __init__(self, lane_sum: _lane.LaneSum, params: List[torch.Tensor],
+                 flat: Optional[torch.Tensor] = None, op=None, ranks: int = 1):
         self.sum = lane_sum
         self.params = params
+        self.flat, self.op, self.ranks = flat, op, ranks
 
     def finish(self, compression) -> None:
         try:
@@ -111,6 +115,8 @@ class LaneSum:
             # Most likely a peer's failure: the engine stops as on a lost peer, and says which
             # rank failed once that rank's notice is in.
             raise runtime.engine().fail(PeerClosedError(str(exc))) from exc
+        if self.op is not None:
+            self.op.finish_(self.flat, self.ranks)
 
     def settle(self) -> None:
         try:
@@ -130,7 +136,19 @@ def eligible(reducer) -> bool:
             or runtime.engine().comms.hierarchical_allreduce
             or not _lane.supported(runtime.topology())):
         return False
-    return all(not b.flat.is_cuda and reducer.divisor(b) != 1 for b in reducer.buckets)
+    return all(_summed(reducer, b) for b in reducer.buckets)
+
+
+def _summed(reducer, bucket: Bucket) -> bool:
+    """Whether ``bucket``'s reduction is a sum on the lane, then the op's finish (Average's
+    division, unless its gradients were divided as they came): a host bucket of floats under
+    an op that sums (Sum, Average), with no scale factors and no compression."""
+    settings, flat = reducer.settings, bucket.flat
+    if flat.is_cuda or not flat.dtype.is_floating_point:
+        return False
+    return reducer.divisor(bucket) != 1 or (
+        settings.op.reduce_op is ReduceOp.SUM and settings.scales() == (1.0, 1.0)
+        and settings.compression.compress is Compressor.compress)
 
 
 class LaneStep:
@@ -180,7 +198,9 @@ class LaneStep:
             self.holder.sums += 1
             b.vote.fill_(1)
             lane_sum = self.holder.lane.start(b.storage, f"allreduce.{bucket_name(b)}")
-            pending[("bucket", b.index)] = LaneSum(lane_sum, b.params)
+            finish = None if self.reducer.divisor(b) != 1 else self.reducer.settings.op
+            pending[("bucket", b.index)] = LaneSum(lane_sum, b.params, b.flat, finish,
+                                                   self.reducer.settings.process_set.size())
         return True
 
     def end(self) -> None:
