@@ -305,3 +305,45 @@ def test_lane_sums_show_on_the_timeline(tmp_path):
         assert len(alone) == 4, (track, on_track)
         assert all(e["ts"] > x["ts"] for e in alone for x in engine)
         assert all(e["dur"] >= 0 and e["args"]["bytes"] > 0 for e in alone)
+
+
+def body_late_rank(late, late_s):
+    """Rank ``late`` starts its sixth step (a lane step) ``late_s`` late; returns each rank's
+    lane sums and its warnings about the lane."""
+    import logging
+    import time
+    import horovod_ext.torch as hvd
+    r = hvd.rank()
+    warnings = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+    logging.getLogger("horovod_ext").addHandler(Keep(logging.WARNING))
+    model, _, opt, _ = _pair(hvd, _model())
+    for step in range(7):
+        if step == 5 and r == late:
+            time.sleep(late_s)       # the late rank itself, not a wait for the others
+        opt.zero_grad()
+        model(_batch(step, r)).pow(2).mean().backward()
+        opt.step()
+    return opt._hvd.lane.sums, [w for w in warnings if "on the lane has waited" in w]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("late,disabled", [(1, False), (0, False), (1, True)])
+def test_a_late_rank_is_named_at_the_stall_check_time(late, disabled):
+    """A lane sum that waits HOROVOD_STALL_CHECK_TIME_SECONDS warns once, naming the rank that
+    had not started it by its last heartbeat (rank 0 knows every rank's progress; the others
+    learn it from rank 0's beats), and never with HOROVOD_STALL_CHECK_DISABLE=1."""
+    env = dict(LANE, HOROVOD_STALL_CHECK_TIME_SECONDS="1", HOROVOD_HEARTBEAT_SECONDS="0.2",
+               HOROVOD_STALL_CHECK_DISABLE="1" if disabled else "0")
+    results = run_ranks(body_late_rank, 2, "gloo", env=env, args=(late, 2.5))
+    assert results[0][0] == results[1][0] > 0
+    assert results[late][1] == []
+    warned = results[1 - late][1]
+    if disabled:
+        assert warned == []
+    else:
+        assert len(warned) == 1, warned
+        assert f"waited 1 s for rank {late}, which had not started it" in warned[0], warned

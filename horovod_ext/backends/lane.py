@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import trace
 from .base import CommunicationError
+from .liveness import Liveness
 from .topology import Topology
 from .torch_dist import TorchCommunicator
 
@@ -30,7 +31,6 @@ from .torch_dist import TorchCommunicator
 # while the others start the next step) as long as it takes; a peer that died is noticed by its
 # heartbeat at once either way (liveness.py aborts the lane's waits).
 LANE_TIMEOUT = datetime.timedelta(minutes=30)
-WARN_AFTER_S = 60.0
 _SLICE = datetime.timedelta(milliseconds=100)   # how soon a wait sees an abort
 log = logging.getLogger("horovod_ext")
 
@@ -43,9 +43,13 @@ def supported(topology: Topology) -> bool:
             and world.global_ranks == list(range(world.size)))
 
 
-def open_lane(topology: Topology) -> Optional["Lane"]:
+def open_lane(topology: Topology, warn_after_s: Optional[float],
+              watch: Optional[Liveness] = None) -> Optional["Lane"]:
     """A new lane over the world of ``topology``, or None where it cannot have one
-    (``supported``).  Collective over the world: every rank calls it at the same point."""
+    (``supported``); a sum that waits ``warn_after_s`` says so (None: never, as the engine's
+    stall check with HOROVOD_STALL_CHECK_DISABLE), naming the ranks that ``watch`` (the world's
+    heartbeats) heard had not started it.  Collective over the world: every rank calls it at
+    the same point."""
     if not supported(topology):
         return None
     ranks = list(range(topology.world.size))
@@ -53,42 +57,49 @@ def open_lane(topology: Topology) -> Optional["Lane"]:
                              None, LANE_TIMEOUT)
     comm._owns_groups = True
     topology.attach(comm)
-    return Lane(comm)
+    return Lane(comm, warn_after_s, watch)
 
 
 class Lane:
     """Sums of host tensors in the lane's own Gloo group, in the order they are started."""
 
-    def __init__(self, comm: TorchCommunicator):
+    def __init__(self, comm: TorchCommunicator, warn_after_s: Optional[float],
+                 watch: Optional[Liveness] = None):
         self.comm = comm
+        self.warn_after_s = warn_after_s
+        self.watch = watch
 
     def start(self, tensor: torch.Tensor, track: Optional[str] = None) -> "LaneSum":
         """Start summing ``tensor`` (a contiguous host tensor) over the world, in place; on a
         recording timeline, a GLOO_ALLREDUCE on ``track`` from now until the sum is done."""
+        number = self.watch.advance() if self.watch is not None else 0
         work = dist.all_reduce(tensor, group=self.comm._cpu_group, async_op=True)
         if track is not None and trace.recorder is not None:
             # ended by Gloo's thread when the sum completes, not when the step waits for it
             span = trace.transfer(self.comm, "ALLREDUCE", tensor, tracks=(track,))
             span.__enter__()
             work.get_future().add_done_callback(lambda _: span.__exit__(None, None, None))
-        return LaneSum(self, work)
+        return LaneSum(self, work, number)
 
 
 class LaneSum:
-    """One sum in flight on a lane."""
+    """One sum in flight on a lane; ``number``: its place among the transfers this rank
+    started in the order every rank starts them (Liveness.advance), 0 where none counts."""
 
-    __slots__ = ("_lane", "_work")
+    __slots__ = ("_lane", "_work", "_number")
 
-    def __init__(self, lane: Lane, work):
+    def __init__(self, lane: Lane, work, number: int = 0):
         self._lane = lane
         self._work = work
+        self._number = number
 
     def wait(self) -> None:
         """Until the sum is done; CommunicationError when it failed or the lane was aborted.
-        After ``WARN_AFTER_S`` of waiting it says so once (the engine's way reports a late
-        rank by name; here the wait only knows that some rank has not started this sum)."""
+        After the lane's ``warn_after_s`` of waiting it says so once, naming the ranks that
+        had not started this sum at their last heartbeat."""
         comm, since = self._lane.comm, time.monotonic()
-        warned = False
+        warn_after = self._lane.warn_after_s
+        warned = warn_after is None
         while True:
             comm._raise_if_aborted()
             try:
@@ -99,12 +110,22 @@ class LaneSum:
                 if self._work.is_completed():
                     self._raise_failure()
                     return
-            if not warned and time.monotonic() - since > WARN_AFTER_S:
+            if not warned and time.monotonic() - since > warn_after:
                 warned = True
                 log.warning("rank %d: a gradient bucket's sum on the lane has waited %.0f s "
-                            "for a rank that has not reached this step (HOROVOD_BUCKET_LANE=0 "
-                            "sends buckets the engine's way, whose stall check names it)",
-                            comm.rank, WARN_AFTER_S)
+                            "for %s", comm.rank, warn_after, self._late())
+
+    def _late(self) -> str:
+        late = None
+        if self._lane.watch is not None and self._number:
+            late = self._lane.watch.behind(self._number)
+        if not late:
+            return ("a rank that has not reached this step (HOROVOD_BUCKET_LANE=0 sends "
+                    "buckets the engine's way, whose stall check names it)")
+        if len(late) == 1:
+            return f"rank {late[0]}, which had not started it by its last heartbeat"
+        return (f"ranks {', '.join(str(k) for k in late)}, which had not started it by their "
+                f"last heartbeats")
 
     def _raise_failure(self) -> None:
         try:

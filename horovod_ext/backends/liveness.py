@@ -9,6 +9,11 @@ driver, cut off) is reported to every rank by name, and so is one whose connecti
 without a goodbye (it has died).  A rank whose own work fails says so at once (``report``) and
 rank 0 passes it on, so its peers stop waiting for it within a round trip.
 
+Beats also carry each rank's progress: a count of the transfers it has started that every rank
+starts in the same order (the bucket lane's sums), which no agreement round tracks.  Rank 0
+keeps every rank's and, while some rank is behind the most advanced, lists those in its beats,
+so that a rank whose transfer waits long can say which ranks had not started it (``behind``).
+
 Every rank learns of each culprit once, through ``on_failure(notice)``, called on the channel's
 thread.  A slow rank is never reported: its thread beats while its training computes.  Under
 hvdrun's elastic mode the worker ids of ranks that stopped answering are kept until the next
@@ -75,6 +80,11 @@ class Liveness:
         self._on_failure = on_failure
         self._workers = {k: link.worker for k, link in links.items()}
         self._told: Set[int] = set()         # culprits already delivered here
+        self._progress = 0                   # this rank's (advance())
+        # rank -> its progress as last heard: rank 0 every rank's; a worker rank 0's and those
+        # rank 0 last listed as behind (any other was at ``_most``)
+        self._heard: Dict[int, int] = {}
+        self._most = 0
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         self._closing = False
@@ -110,6 +120,20 @@ class Liveness:
         rank (through rank 0), at once."""
         self._send_all(_failure_line(scope, self.rank, reason, False, ""))
 
+    def advance(self) -> int:
+        """This rank has started one more ordered transfer: its number (from 1), which its
+        peers hear with the next beat."""
+        self._progress += 1
+        return self._progress
+
+    def behind(self, number: int) -> Optional[List[int]]:
+        """The ranks that, as last heard, had not started this rank's ordered transfer
+        ``number`` (a beat or two out of date), or None where that is not known yet."""
+        heard = dict(self._heard)
+        if self.rank != 0 and self._most < number:
+            return None        # rank 0's last word predates this transfer
+        return sorted(k for k, p in heard.items() if p < number and k != self.rank)
+
     def close(self):
         """Stop the thread and say goodbye: peers stop watching this rank.  Each link is
         drained until the peer closes its end (a second at most), so that closing with its
@@ -140,7 +164,7 @@ class Liveness:
         while not self._closing:
             now = time.monotonic()
             if now >= next_beat:
-                self._send_all(b"B\n")
+                self._beat()
                 next_beat = now + self.interval
             self._check_silence(now)
             by_fd = {link.sock.fileno(): k for k, link in self._links.items()}
@@ -172,8 +196,34 @@ class Liveness:
             line, link.pending = link.pending.split(b"\n", 1)
             self._handle(k, line.decode(errors="replace"))
 
+    def _beat(self):
+        """``B <progress>`` from a worker; from rank 0 ``B <progress> <most> <k:p,...>``, the
+        ranks behind the most advanced."""
+        if self.rank != 0:
+            self._send_all(f"B {self._progress}\n".encode())
+            return
+        heard = {**self._heard, 0: self._progress}
+        most = max(heard.values())
+        late = ",".join(f"{k}:{p}" for k, p in heard.items() if p < most)
+        self._send_all(f"B {self._progress} {most} {late or '-'}\n".encode())
+
+    def _heard_beat(self, k: int, fields: List[str]):
+        try:
+            if self.rank == 0:
+                self._heard[k] = int(fields[0])
+            elif len(fields) >= 3:
+                heard = {0: int(fields[0])}
+                if fields[2] != "-":
+                    heard.update((int(a), int(b)) for a, b in
+                                 (item.split(":") for item in fields[2].split(",")))
+                self._heard, self._most = heard, int(fields[1])
+        except (IndexError, ValueError):
+            pass               # a beat from an older peer: a liveness sign all the same
+
     def _handle(self, k: int, line: str):
-        if line == "X":        # a clean shutdown: nothing more to watch on this link
+        if line.startswith("B"):
+            self._heard_beat(k, line.split()[1:])
+        elif line == "X":      # a clean shutdown: nothing more to watch on this link
             self._drop(k)
         elif line.startswith("F "):
             _, scope, culprit, stopped, wid, reason = line.split(" ", 5)

@@ -214,7 +214,10 @@ class LaneStep:
             holder.turn(self.reducer.buckets[-1].vote.item() == size)
         elif ticket is not None and _count(ticket) == size:
             if holder.current(generation) is None:
-                holder.lane = _lane.open_lane(runtime.topology())
+                config, faults = runtime.state.config, runtime.state.faults
+                holder.lane = _lane.open_lane(
+                    runtime.topology(), config.stall_warning_s if config.stall_check else None,
+                    faults.liveness if faults is not None else None)
             holder.turn(holder.lane is not None)
 
     def clear(self) -> None:
