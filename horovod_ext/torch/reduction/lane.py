@@ -20,8 +20,9 @@ every rank sees alike:
 Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 on every rank, Gloo, the optimizer over
 the world, the buckets' plan settled (plan_trial.py, no autotune), flat allreduces, host buckets
 of floats whose op sums (Sum; Average, divided as the gradients came where
-Settings.bucket_divisor allows, after the sum otherwise), no scale factors, no compression.  On the timeline a lane's sum is a GLOO_ALLREDUCE on its
-bucket's track, with no negotiation before it.
+Settings.bucket_divisor allows, after the sum otherwise), no scale factors, no compression.  On
+the timeline a lane's sum is a GLOO_ALLREDUCE on its bucket's track, with no negotiation before
+it.
 """
 import weakref
 from typing import List, Optional, Set
