@@ -57,3 +57,48 @@ def test_a_peer_waiting_for_a_late_rank_does_not_make_it_cycle_at_the_busy_pace(
     assert early["rounds"] <= LAG_S / early["interval"] + 3, early
     # the late rank's submission starts its cycle at once: no extra wait for its idle interval
     assert early["waited"] < LAG_S + early["interval"], early
+
+
+def body_woken_during_a_caller_cycle():
+    import threading
+
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    from horovod_ext.engine.idle_pace import IDLE_CYCLE_S
+    engine = runtime.engine()
+    hvd.allreduce(torch.ones(3), name="warm")
+    asleep = threading.Event()   # the background thread waits with no timeout
+    wait, locked_cycle = engine._cond.wait, engine._locked_cycle
+
+    def recording_wait(timeout=None):
+        if timeout is None and threading.current_thread() is engine._thread:
+            asleep.set()
+        return wait(timeout)
+
+    def caller_cycle(caller_blocked=False):
+        if threading.current_thread() is threading.main_thread():
+            # a wake-up (another thread's submission) lands while the caller runs the cycle
+            with engine._cond:
+                engine._cond.notify()
+            asleep.wait(5)
+        return locked_cycle(caller_blocked)
+
+    engine._cond.wait, engine._locked_cycle = recording_wait, caller_cycle
+    out = hvd.allreduce(torch.ones(2), name="caller.cycle", op=hvd.Sum)
+    engine._locked_cycle = locked_cycle
+    before, deadline = engine.stats["cycles"], time.monotonic() + 20 * IDLE_CYCLE_S
+    while engine.stats["cycles"] < before + 2 and time.monotonic() < deadline:
+        time.sleep(IDLE_CYCLE_S / 10)   # polls for idle rounds, bounded by the deadline
+    return dict(woken=asleep.is_set(), idle_rounds=engine.stats["cycles"] - before,
+                out=out.tolist())
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_rank_keeps_cycling_after_its_thread_was_woken_during_a_caller_cycle():
+    # Both ranks idle afterwards (as in steps summed on the bucket lane): a background thread
+    # left sleeping with no timeout never cycles again, and a peer's idle round then waits for
+    # it until the control plane's timeout.
+    for out in run_ranks(body_woken_during_a_caller_cycle, 2, "gloo"):
+        assert out["out"] == [2.0, 2.0]
+        assert out["woken"], "the test did not put the background thread to sleep"
+        assert out["idle_rounds"] >= 2, out

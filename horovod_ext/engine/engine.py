@@ -113,8 +113,10 @@ class Engine:
             finally:
                 with self._cond:
                     self._caller_cycle = False
-                    if self._new or self._local:
-                        self._cond.notify()
+                    # always: a background thread woken during the cycle sleeps with no
+                    # timeout, and an idle rank that never cycles again stalls its peers'
+                    # idle rounds (the bucket lane leaves the engine idle for whole steps)
+                    self._cond.notify()
                 self._cycle_lock.release()
         if handle.done():
             return
