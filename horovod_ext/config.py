@@ -64,7 +64,7 @@ class Config:
     gradient_bucket_bytes: int = 25 * 1024 * 1024  # DistributedOptimizer buckets; 0: none
     first_bucket_bytes: int = 1024 * 1024        # backward's first gradients' bucket; 0: as others
     gradient_bucket_plan: str = "auto"           # "auto" | "timed" (measured cut) | "size"
-    bucket_lane: bool = False                    # buckets in order on a lane (reduction/lane.py)
+    bucket_lane: bool = True                     # buckets in order on a lane (reduction/lane.py)
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -116,7 +116,7 @@ class Config:
             gradient_bucket_plan=_get(env, "HOROVOD_GRADIENT_BUCKET_PLAN", "auto",
                                       _choice("auto", "timed", "size"),
                                       expect="'auto', 'timed' or 'size'"),
-            bucket_lane=_get(env, "HOROVOD_BUCKET_LANE", False, _bool, expect="0 or 1"),
+            bucket_lane=_get(env, "HOROVOD_BUCKET_LANE", cls.bucket_lane, _bool, expect="0 or 1"),
             cycle_time_ms=_get(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms, float, non_negative,
                                "a non-negative number of milliseconds"),
             cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,

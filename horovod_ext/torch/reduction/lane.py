@@ -17,10 +17,11 @@ every rank sees alike:
   and turns the lane off for everyone.  A rank whose lane sum failed stops its engine, as on a
   lost peer (the next ``hvd.init()`` starts over, lane off).
 
-Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 on every rank, Gloo, the optimizer over
-the world, the buckets' plan settled (plan_trial.py, no autotune), flat allreduces, host buckets
-of floats whose op sums (Sum; Average, divided as the gradients came where
-Settings.bucket_divisor allows, after the sum otherwise), no scale factors, no compression.  On
+Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 (the default; 0 sends every bucket the
+engine's way) on every rank, Gloo, the optimizer over the world, the buckets' plan settled
+(plan_trial.py, no autotune), flat allreduces, host buckets of floats whose op sums (Sum;
+Average, divided as the gradients came where Settings.bucket_divisor allows, after the sum
+otherwise), no scale factors, no compression.  On
 the timeline a lane's sum is a GLOO_ALLREDUCE on its bucket's track, with no negotiation before
 it.
 """
