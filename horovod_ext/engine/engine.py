@@ -113,9 +113,8 @@ class Engine:
             finally:
                 with self._cond:
                     self._caller_cycle = False
-                    # always: a background thread woken during the cycle sleeps with no
-                    # timeout, and an idle rank that never cycles again stalls its peers'
-                    # idle rounds (the bucket lane leaves the engine idle for whole steps)
+                    # always: a thread woken during the cycle slept with no timeout, and a rank
+                    # that never cycles stalls its peers' idle rounds (lane steps submit nothing)
                     self._cond.notify()
                 self._cycle_lock.release()
         if handle.done():
