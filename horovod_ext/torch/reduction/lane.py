@@ -21,9 +21,8 @@ Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 (the default; 0 sends every
 engine's way) on every rank, Gloo, the optimizer over the world, the buckets' plan settled
 (plan_trial.py, no autotune), flat allreduces, host buckets of floats whose op sums (Sum;
 Average, divided as the gradients came where Settings.bucket_divisor allows, after the sum
-otherwise), no scale factors, no compression.  On
-the timeline a lane's sum is a GLOO_ALLREDUCE on its bucket's track, with no negotiation before
-it.
+otherwise), no scale factors, no compression.  On the timeline a lane's sum is a
+GLOO_ALLREDUCE on its bucket's track, with no negotiation before it.
 """
 import weakref
 from typing import List, Optional, Set
