@@ -238,9 +238,15 @@ def test_small_first_bucket():
     assert run_ranks(body_cases, 2, "gloo", env=env) == ["ok"] * 2
 
 
-def test_bucket_adopts_whatever_gradient_it_finds():
+@pytest.mark.parametrize("grad_mode", [False, True])   # as in backward, and create_graph's
+def test_bucket_adopts_whatever_gradient_it_finds(grad_mode):
     """None -> zeros, a foreign tensor -> copied in, a sparse one -> densified or refused;
     afterwards .grad is the bucket's slice."""
+    with torch.set_grad_enabled(grad_mode):
+        adopts_whatever_gradient_it_finds()
+
+
+def adopts_whatever_gradient_it_finds():
     from horovod_ext.torch.buckets import Bucket
     p = torch.nn.Parameter(torch.zeros(2, 3))
     b = Bucket(0, [p])
@@ -261,17 +267,20 @@ def test_bucket_adopts_whatever_gradient_it_finds():
     assert b.flat.tolist() == [0, 5, 0, 0, 0, 0]
 
 
-def test_bucket_divides_as_it_adopts():
-    """With a divisor the copy divides, and a gradient already in its slice is divided there."""
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_bucket_divides_as_it_adopts(grad_mode):
+    """With a divisor the copy divides, and a gradient already in its slice is divided there;
+    with grad mode on (a create_graph backward) a gradient that requires grad is copied too."""
     from horovod_ext.torch.buckets import Bucket
     p = torch.nn.Parameter(torch.zeros(2, 3))
     b = Bucket(0, [p])
     grad = torch.randn(2, 3)
-    p.grad = grad.clone()
-    b.adopt(p, sparse_ok=False, name="w", divisor=4)
-    assert torch.equal(p.grad, grad / 4) and p.grad.data_ptr() == b.flat.data_ptr()
-    p.grad.add_(grad)                      # accumulated in its slice
-    b.adopt(p, sparse_ok=False, name="w", divisor=4)
+    with torch.set_grad_enabled(grad_mode):
+        p.grad = grad.clone().requires_grad_(grad_mode)
+        b.adopt(p, sparse_ok=False, name="w", divisor=4)
+        assert torch.equal(p.grad, grad / 4) and p.grad.data_ptr() == b.flat.data_ptr()
+        p.grad.add_(grad)                      # accumulated in its slice
+        b.adopt(p, sparse_ok=False, name="w", divisor=4)
     assert torch.equal(b.flat.view(2, 3), (grad / 4 + grad) / 4)
 
 

@@ -60,25 +60,31 @@ class Bucket:
     def adopt(self, p: torch.Tensor, sparse_ok: bool, name: str, divisor: int = 1):
         """Make ``p.grad`` the bucket's slice, keeping its value (zeros when it has none),
         divided by ``divisor``: in the copy, when there is one."""
+        if torch.is_grad_enabled():   # a backward with create_graph=True
+            with torch.no_grad():
+                self._adopt(p, sparse_ok, name, divisor)
+        else:   # backward's own mode: a context per gradient would cost more than its copy
+            self._adopt(p, sparse_ok, name, divisor)
+
+    def _adopt(self, p: torch.Tensor, sparse_ok: bool, name: str, divisor: int):
         view = self.views[id(p)]
         grad = p.grad
-        with torch.no_grad():
-            if grad is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() \
-                    and grad.shape == view.shape:
-                if divisor != 1:
-                    view.div_(divisor)
-                return
-            if grad is None:
-                view.zero_()
+        if grad is not None and not grad.is_sparse and grad.data_ptr() == view.data_ptr() \
+                and grad.shape == view.shape:
+            if divisor != 1:
+                view.div_(divisor)
+            return
+        if grad is None:
+            view.zero_()
+        else:
+            if grad.is_sparse:
+                if not sparse_ok:
+                    raise ValueError(f"sparse gradient for {name}: pass sparse_as_dense=True")
+                grad = grad.to_dense()
+            if divisor != 1:
+                torch.div(grad, divisor, out=view)
             else:
-                if grad.is_sparse:
-                    if not sparse_ok:
-                        raise ValueError(f"sparse gradient for {name}: pass sparse_as_dense=True")
-                    grad = grad.to_dense()
-                if divisor != 1:
-                    torch.div(grad, divisor, out=view)
-                else:
-                    view.copy_(grad)
+                view.copy_(grad)
         p.grad = view
 
     def zero_(self):

@@ -97,12 +97,14 @@ class _DistributedMixin:
             reduction.replan(self._hvd)
 
     def _hvd_hook(self, p):
-        progress = self._hvd.progress
-        self._hvd_restart_if_reinitialized()
+        state = self._hvd
+        progress = state.progress
+        if progress.generation != runtime.state.generation:
+            self._hvd_restart_if_reinitialized()
         if progress.synchronized and not progress.skip_sync:
             # a new backward after synchronize() without step(): reduce again from scratch
             progress.synchronized = False
-        self._hvd.reducer.on_gradient(p)
+        state.plan.reducer.on_gradient(p)
 
     def synchronize(self):
         """Finish the reduction of every gradient (parameters whose gradient never came this

@@ -70,6 +70,8 @@ class GradientReducer(Reducer):
     def count_pass(self, p: torch.Tensor) -> bool:
         """Count a backward pass of ``p``; True when it completes ``backward_passes_per_step``
         of them (and the count starts over)."""
+        if self.settings.backward_passes_per_step == 1:
+            return True   # every hook's path: no count to keep
         passes = self.progress.passes
         passes[id(p)] = passes.get(id(p), 0) + 1
         if passes[id(p)] < self.settings.backward_passes_per_step:

@@ -146,7 +146,8 @@ class BucketReducer(GroupReducer):
         return dict(zip(order, times + [last] * (len(order) - len(times))))
 
     def route(self, p: torch.Tensor) -> None:
-        self.lane.begin()
+        if not self.lane.begun:
+            self.lane.begin()
         if self.layout.timing_generation != self.progress.generation \
                 and id(p) not in self.arrived:
             self.arrived[id(p)] = self.clock.stamp()
