@@ -65,6 +65,7 @@ class Config:
     first_bucket_bytes: int = 1024 * 1024        # backward's first gradients' bucket; 0: as others
     gradient_bucket_plan: str = "auto"           # "auto" | "timed" (measured cut) | "size"
     bucket_lane: bool = True                     # buckets in order on a lane (reduction/lane.py)
+    keep_host_heap: bool = True                  # glibc keeps freed memory (engine/host_heap.py)
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -117,6 +118,8 @@ class Config:
                                       _choice("auto", "timed", "size"),
                                       expect="'auto', 'timed' or 'size'"),
             bucket_lane=_get(env, "HOROVOD_BUCKET_LANE", cls.bucket_lane, _bool, expect="0 or 1"),
+            keep_host_heap=_get(env, "HOROVOD_KEEP_HOST_HEAP", cls.keep_host_heap, _bool,
+                                expect="0 or 1"),
             cycle_time_ms=_get(env, "HOROVOD_CYCLE_TIME", cls.cycle_time_ms, float, non_negative,
                                "a non-negative number of milliseconds"),
             cache_capacity=_get(env, "HOROVOD_CACHE_CAPACITY", cls.cache_capacity, int,

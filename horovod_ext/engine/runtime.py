@@ -21,7 +21,7 @@ from horovod_ext.backends.topology import Topology
 from horovod_ext.config import Config, ConfigError
 from horovod_ext.ops import reset_all as reset_all_ops
 
-from . import autotune, cpu_threads, timeline
+from . import autotune, cpu_threads, host_heap, timeline
 from .engine import Engine
 from .faults import FaultRouter
 from .requests import HorovodInternalError, Request
@@ -134,6 +134,8 @@ def init(comm=None):
         _setup_logging(config, world.rank)
         topology = Topology.build(world, bootstrap.hostname())
         cpu_threads.limit_to_share(topology.local_size)
+        if config.keep_host_heap:
+            host_heap.keep()
         state.config = config
         state.sets, state.next_set_id = {0: _SetRuntime(list(range(world.size)), topology)}, 1
         try:
