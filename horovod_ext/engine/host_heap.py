@@ -5,8 +5,9 @@ free, and serves allocations above a threshold that starts at 128 KiB with fresh
 CPU training step frees most of its activations at the end of backward and allocates them again
 in the next forward, so every step can fault the same pages in again, each fault costing a few
 microseconds: a 0.44 M-parameter transformer step (2 ranks on 2 cores, 240 ms) took 1,000-4,000
-minor faults with DistributedOptimizer and 0-2,000 with DDP, whose gradients outlive backward.
-With both limits raised, both took under 100 (benchmarks/ddp_parity.py, ``--variants``).
+minor faults with DistributedOptimizer and 0-2,000 with DDP (counted from /proc per step);
+with both limits raised, both took under 100, and in benchmarks/ddp_parity.py the step's
+ratio to DDP's went from 1.05-1.09 to 0.97-0.98 (glibc's variables as a ``--variants``).
 A CUDA caching allocator keeps its memory for the same reason.  ``hvd.init`` raises them once,
 unless HOROVOD_KEEP_HOST_HEAP=0 or the user set glibc's own malloc variables.
 """
