@@ -52,10 +52,10 @@ def keep(env=None) -> bool:
     raised now or were before."""
     global _done
     env = os.environ if env is None else env
-    if _done:
-        return True
     if user_chose(env):
         return False
+    if _done:
+        return True
     libc = _glibc()
     if libc is None:
         return False
