@@ -721,7 +721,7 @@ def body_plan_chosen_by_step_times():
     model = mlp()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
-    close, plans = [], []
+    close, plans, lane_sums = [], [], []   # lane_sums: buckets summed on the lane so far
     for step in range(45):
         inputs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(hvd.size())]
@@ -739,9 +739,10 @@ def body_plan_chosen_by_step_times():
         with opt.skip_synchronize():
             opt.step()
         plans.append((opt._hvd.layout.cut, runtime.engine().comms.hierarchical_allreduce))
+        lane_sums.append(opt._hvd.lane.sums if opt._hvd.lane is not None else 0)
     layout = opt._hvd.layout
     return close, plans, layout.link_cost, layout.both_ways, layout.trial_medians, \
-        layout.trial_rounds
+        layout.trial_rounds, lane_sums
 
 
 @pytest.mark.timeout(180)
@@ -756,7 +757,8 @@ def test_plan_is_chosen_by_step_times(variable):
     buckets cut with that way's link cost.  The averages are exact every step.  A first bucket of
     1000 bytes makes the size buckets put the last layer's bias alone, which a measured cut of
     this model does not (its gradients are stamped 1 us apart, far less than a reduction's
-    latency), so both are tried: a candidate giving the same buckets as another is not."""
+    latency), so both are tried: a candidate giving the same buckets as another is not.  The
+    flat candidates' timed steps sum their buckets on the lane, the hierarchical one's do not."""
     from horovod_ext.torch.reduction import plan_trial
     env = {"HOROVOD_FIRST_BUCKET_BYTES": "1000"}
     if variable is not None:
@@ -765,7 +767,7 @@ def test_plan_is_chosen_by_step_times(variable):
     results = run_ranks(body_plan_chosen_by_step_times, 4, "gloo", env=env,
                         hostnames=hosts, timeout=150)
     assert len({repr(r[1:]) for r in results}) == 1          # every rank alike
-    close, plans, cost, (flat, hierarchical), medians, rounds = results[0]
+    close, plans, cost, (flat, hierarchical), medians, rounds, lane_sums = results[0]
     assert close == [True] * 45
     assert flat.alpha > 0
     tried = [("timed", False), ("size", False)]
@@ -785,5 +787,11 @@ def test_plan_is_chosen_by_step_times(variable):
     first = STEPS_TO_TIMED_PLAN - 1    # plans[] is taken after step(): the learning step's
     assert len(plans) > first + len(expected)
     assert plans[first:first + len(expected)] == expected
+    # step first + 1 + j runs candidate expected[j]; its timed steps go on the bucket lane
+    # where the candidate is flat, as they would once it is chosen, and never where it is not
+    on_lane = [b > a for a, b in zip(lane_sums, lane_sums[1:])]   # on_lane[s - 1]: step s
+    for j, candidate in enumerate(expected):
+        if j % per_visit:
+            assert on_lane[first + j] == (not candidate[1]), (j, candidate, lane_sums)
     assert all(p == best for p in plans[first + len(expected):])
     assert cost == (hierarchical if best[1] else flat)

@@ -18,8 +18,9 @@ every rank sees alike:
   lost peer (the next ``hvd.init()`` starts over, lane off).
 
 Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 (the default; 0 sends every bucket the
-engine's way) on every rank, Gloo, the optimizer over the world, the buckets' plan settled
-(plan_trial.py, no autotune), flat allreduces, host buckets of floats whose op sums (Sum;
+engine's way) on every rank, Gloo, the optimizer over the world, the gradients' arrival times
+learnt (the trial of plans runs its flat candidates on the lane, so that it weighs them as they
+will train; plan_trial.py), no autotune, flat allreduces, host buckets of floats whose op sums (Sum;
 Average, divided as the gradients came where Settings.bucket_divisor allows, after the sum
 otherwise), no scale factors, no compression.  On the timeline a lane's sum is a
 GLOO_ALLREDUCE on its bucket's track, with no negotiation before it.
@@ -132,7 +133,7 @@ def eligible(reducer) -> bool:
     settings, layout, generation = reducer.settings, reducer.layout, reducer.progress.generation
     if (config is None or not config.bucket_lane or not reducer.buckets
             or settings.process_set.process_set_id != 0 or settings.process_set.size() < 2
-            or runtime.state.autotuner is not None or layout.trial is not None
+            or runtime.state.autotuner is not None
             or layout.timing_generation != generation or layout.sparse
             or runtime.engine().comms.hierarchical_allreduce
             or not _lane.supported(runtime.topology())):

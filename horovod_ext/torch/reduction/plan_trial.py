@@ -8,7 +8,9 @@ times, the buckets by size alone, and, where the way of the world's allreduces i
 (engine.hierarchy_choice), the measured cut with the allreduces hierarchical.  Each is visited
 ``ROUNDS`` times in the same order (A B C A B C A B C), so that a drift of the step time (warm
 caches, another job on the hosts) falls on every candidate alike; a visit is one untimed step
-under the new plan (its buffers are new) and ``STEPS`` timed ones.  DDP's plan (the size
+under the new plan (its buffers are new; after a hierarchical visit it turns the bucket lane
+on again, lane.py) and ``STEPS`` timed ones, so that a flat candidate is timed with its buckets
+on the lane, as it trains once chosen, and the hierarchical one without.  DDP's plan (the size
 buckets, flat) stays unless another candidate's median step on rank 0 is shorter by more than
 ``MARGIN`` and its median was shorter in every round too: nine steps do not separate plans
 closer than that (step times here move by 3-5% between rounds), where a candidate won in the
