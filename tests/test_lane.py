@@ -10,9 +10,11 @@ import torch
 
 from tests.harness import run_ranks
 
-# small buckets: several per step; no first bucket of its own
+# small buckets: several per step; no first bucket of its own; no shared memory, so that the
+# engine's way is a call of the world communicator on this one host, as across hosts (through
+# shared memory the engine's way is faster than the lane, which then stays off)
 LANE = {"HOROVOD_BUCKET_LANE": "1", "HOROVOD_GRADIENT_BUCKET_BYTES": "8192",
-        "HOROVOD_FIRST_BUCKET_BYTES": "0"}
+        "HOROVOD_FIRST_BUCKET_BYTES": "0", "HOROVOD_SHARED_MEMORY": "0"}
 
 
 def _model():
@@ -87,6 +89,16 @@ def test_lane_steps_give_the_reference_result(np, op_name):
 def test_without_the_variable_no_lane():
     env = dict(LANE, HOROVOD_BUCKET_LANE="0")
     for err, sums, _ in run_ranks(body_lane_steps, 2, "gloo", env=env):
+        assert err < 1e-6 and sums == 0
+
+
+@pytest.mark.timeout(120)
+def test_through_shared_memory_no_lane():
+    """All ranks on one host with shared memory (the default): the engine's way sums the
+    buckets there, which is faster than the lane's Gloo group, so no step goes on the lane."""
+    env = dict(LANE, HOROVOD_SHARED_MEMORY="1")
+    for err, sums, buckets in run_ranks(body_lane_steps, 2, "gloo", env=env, args=(8, "Average")):
+        assert buckets >= 3
         assert err < 1e-6 and sums == 0
 
 
