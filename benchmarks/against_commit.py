@@ -2,6 +2,7 @@
 
     python benchmarks/against_commit.py --commit e798c81 --bench synthetic --runs 3 -- --np 2 --quick
     python benchmarks/against_commit.py --commit e798c81 --bench allreduce --runs 3 -- --quick
+    python benchmarks/against_commit.py --commit e798c81 --bench onebit --runs 3 -- --quick --nps 2
 
 The other commit is checked out into a temporary git worktree (its optional C kernels built in
 place when a compiler is present) and its own copy of the benchmark runs there, with that tree
@@ -10,9 +11,11 @@ Prints, for every measured figure, the median of each side, the new/old ratio, a
 (min-max over runs) of each side, then writes JSON with every run's figures.
 Figures: ``synthetic``: samples/s of hvd.DistributedOptimizer and of DDP per model and process
 count, and their ratio in each run (DDP runs in the same ranks, turn about, so the ratio cancels
-the machine's drift); ``allreduce``: horovod_ext's time per call (us) per transport and size, back to back and
-after the gap, the raw transport's, and horovod_ext's against the raw block next to it (the
-median over block pairs, which cancels the transport's own drift).
+the machine's drift); ``onebit``: the 1-bit compressed allreduce's and the float32 Sum's
+time per call (ms) per transport, process count and size, and their ratio; ``allreduce``:
+horovod_ext's time per call (us) per transport and size, back to back and after the gap, the
+raw transport's, and horovod_ext's against the raw block next to it (the median over block
+pairs, which cancels the transport's own drift).
 """
 import argparse
 import json
@@ -41,6 +44,14 @@ def figures(bench: str, report: dict) -> dict:
                     # DDP ran in the same ranks, turn about: the ratio cancels the machine's drift
                     out[f"{model} np={np_} hvd/ddp"] = (row["hvd_samples_per_s"]
                                                         / row["ddp_samples_per_s"])
+    elif bench == "onebit":
+        for kind, rows in report["local"].items():
+            for r in rows:
+                size = _spawn.human(r["size"])
+                for col in ("onebit_ms", "sum_ms"):
+                    out[f"{kind} {size} {col}"] = r[col]
+                # the two ops took turns block by block: their ratio cancels the machine's drift
+                out[f"{kind} {size} onebit/sum"] = r["onebit_ms"] / r["sum_ms"]
     else:
         for kind, rows in report["local"].items():
             for r in rows:
@@ -79,7 +90,7 @@ def run_once(tree: str, bench: str, extra: list) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--commit", required=True, help="the commit to compare with")
-    p.add_argument("--bench", choices=("synthetic", "allreduce"), required=True)
+    p.add_argument("--bench", choices=("synthetic", "allreduce", "onebit"), required=True)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=os.path.join(_spawn.HERE, "results", "against_commit.json"))
     p.add_argument("extra", nargs=argparse.REMAINDER,
@@ -111,7 +122,8 @@ def main():
         print(f"{n:<36} {row['old_median']:>10.4g} {row['new_median']:>10.4g} "
               f"{row['ratio']:>8.3f} {min(old):>9.4g}-{max(old):<9.4g} "
               f"{min(new):>9.4g}-{max(new):<9.4g}")
-    _spawn.write_report(args.out, {"bench": args.bench, "commit": args.commit,
+    # "against": the other commit; write_report adds this checkout's commit and the date
+    _spawn.write_report(args.out, {"bench": args.bench, "against": args.commit,
                                    "flags": extra, "runs": args.runs, "rows": rows})
 
 

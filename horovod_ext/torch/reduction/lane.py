@@ -22,8 +22,8 @@ engine's way) on every rank, Gloo, the optimizer over the world, the gradients' 
 learnt (the trial of plans runs its flat candidates on the lane, so that it weighs them as they
 will train; plan_trial.py), no autotune, flat allreduces that are one call of the world
 communicator (not through shared memory: with every rank on one host the engine's way sums
-there, faster than a Gloo group: benchmarks/synthetic.py's MLP at np=2, 1.13x DDP's throughput
-against 0.99x on the lane), host buckets of floats whose op sums (Sum;
+there, faster than a Gloo group: benchmarks/synthetic.py's MLP at np=2 trains about 15%
+faster that way than on the lane), host buckets of floats whose op sums (Sum;
 Average, divided as the gradients came where Settings.bucket_divisor allows, after the sum
 otherwise), no scale factors, no compression.  On the timeline a lane's sum is a
 GLOO_ALLREDUCE on its bucket's track, with no negotiation before it.
