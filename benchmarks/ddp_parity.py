@@ -7,21 +7,23 @@
 
 What a DDP user measures first: ``hvd.DistributedOptimizer(Adam, op=hvd.Average)`` next to
 ``DistributedDataParallel`` (its defaults: 25 MB buckets and a 1 MB first bucket) in the same
-ranks.  Each method first runs ``--warmup`` untimed steps (DDP rebuilds its buckets after its
-first step; ours tries its bucket plans until the 40th), then the two take turns in ``--blocks``
-blocks (Adam, random data, ``--batch`` samples per rank), the order swapped every block.  A
-block runs ``--steps`` steps of one method, its step time being the median of the last
-``--timed`` on the slowest rank; the ratio is taken block by block against the other method's
-block next to it, so that drift of the machine between blocks cancels.  Models: ``mlp``
+ranks. Each method first runs the same untimed steps, ``--warmup`` at least, more where ours has
+not yet ended its plan trial (DDP rebuilds its buckets after its first step; ours tries its bucket
+plans until the 40th to the 103rd, its visits being longer where steps are short), then the two
+take turns in ``--blocks`` blocks (Adam, random data, ``--batch`` samples per rank), the order
+swapped every block. A block runs ``--steps`` steps of one method, its step time being the median
+of the last ``--timed`` on the slowest rank; the ratio is taken block by block against the other
+method's block next to it, so that drift of the machine between blocks cancels. Models: ``mlp``
 (784-1024-1024-10, 1.86 M parameters), ``cnn`` (examples/fashion_mnist.py's CNN, 0.22 M) and
-``transformer`` (``_models.CharLM``, 0.44 M).  Every variant of ours (``--variants``:
+``transformer`` (``_models.CharLM``, 0.44 M). Every variant of ours (``--variants``:
 ``label=VAR:value+VAR:value``, or ``default`` for no variables) starts its own ranks with DDP
-beside it, so each ratio compares methods of one run.  Prints a table per setting and writes
-JSON, which also keeps rank 0's median phases of a step per method and block (``phases_rank0``:
-zero_grad and forward, backward, opt.step(); DDP reduces inside backward, ours mostly waits in
-opt.step()), rank 0's processor time per step (``cpu_rank0``: every thread of the process, per
-method and block: on ranks that share cores the step time follows it) and the plan trial's
-medians (over all, and per round: ``trial_rounds``).
+beside it, so each ratio compares methods of one run. Prints a table per setting and writes JSON,
+which also keeps rank 0's median phases of a step per method and block (``phases_rank0``: zero_grad
+and forward, backward, opt.step(); DDP reduces inside backward, ours mostly waits in opt.step()),
+rank 0's processor time per step (``cpu_rank0``: every thread of the process, per method and block:
+on ranks that share cores the step time follows it), the plan trial's medians (over all, and per
+round: ``trial_rounds``) and timed steps a visit (``trial_visit_steps``), and the untimed steps
+each method ran (``warmup_steps``).
 """
 import json
 import math
@@ -38,6 +40,7 @@ import _models  # noqa: E402
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
 
 SETTINGS = _spawn.LINK_SETTINGS
+MAX_WARMUP = 400   # untimed steps at most, should ours never end its plan trial
 
 
 def build(kind, batch):
@@ -100,6 +103,33 @@ def step_times(model, opt, loss, steps):
     return times
 
 
+def _plan_settled(opt) -> bool:
+    """Whether ours has learnt its buckets and ended its plan trial (every rank alike)."""
+    state = opt._hvd
+    return state.layout.trial is None and \
+        state.layout.timing_generation == state.progress.generation
+
+
+def warm_up(methods, loss, least):
+    """Untimed steps, the same number for each method: DDP rebuilds its buckets after its first
+    step, ours learns its plan and then tries its candidates (its trial's visits are longer
+    where steps are short), so ours runs until that has ended, and ``least`` steps at least."""
+    import torch.distributed as dist
+
+    ours, opt = methods["hvd"]
+    dist.barrier()
+    step_times(ours, opt, loss, least)
+    count = least
+    while not _plan_settled(opt) and count < MAX_WARMUP:
+        step_times(ours, opt, loss, 1)
+        count += 1
+    for name in methods:
+        if name != "hvd":
+            dist.barrier()
+            step_times(*methods[name], loss, count)
+    return count
+
+
 def worker(args):
     import torch.distributed as dist
 
@@ -115,9 +145,7 @@ def worker(args):
         stats = runtime.engine().stats
         cpu = {}
         cycles = []   # the engine's negotiation rounds per step, each block of ours
-        for name in methods:   # untimed: DDP rebuilds its buckets, ours tries its plans
-            dist.barrier()
-            step_times(*methods[name], loss, args.warmup)
+        warmup = warm_up(methods, loss, args.warmup)
         lane_before = opt._hvd.lane.sums if opt._hvd.lane is not None else 0
         for block in range(args.blocks):
             order = list(methods) if block % 2 == 0 else list(reversed(list(methods)))
@@ -138,6 +166,8 @@ def worker(args):
                          for name in methods}
         results[kind]["phases_rank0"] = phases
         results[kind]["cpu_rank0"] = cpu
+        results[kind]["warmup_steps"] = warmup
+        results[kind]["trial_visit_steps"] = opt._hvd.layout.trial_visit_steps
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
         results[kind]["cycles_per_step"] = cycles
         results[kind]["hierarchical"] = bool(runtime.engine().comms.hierarchical_allreduce)
@@ -238,7 +268,8 @@ def main():
     p.add_argument("--variants", default="default",
                    help="label=VAR:value+VAR:value, comma separated ('default': no variables)")
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--warmup", type=int, default=45, help="untimed steps of each method first")
+    p.add_argument("--warmup", type=int, default=45,
+                   help="untimed steps of each method first, at least")
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--steps", type=int, default=10, help="steps of a method in a block")
     p.add_argument("--timed", type=int, default=8, help="the last steps of each block timed")

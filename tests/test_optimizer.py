@@ -700,12 +700,17 @@ def body_plan_chosen_by_step_times():
     """Forty-five steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
     whether the averaged gradients match the mean of every rank's, computed here, and the plan
     after it (the buckets' cut and whether the world's allreduces are hierarchical); then the
-    link cost the buckets are cut with, both ways' costs and the trial's medians."""
+    link cost the buckets are cut with, both ways' costs, the trial's medians and its timed
+    steps a visit.  Only rank 0's step times set a visit's length: rank 0's rule here gives
+    the fewest steps (plan_trial.STEPS) whatever a step lasts, the others' the most."""
     import itertools
 
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime
     from horovod_ext.torch import bucket_timing
+    from horovod_ext.torch.reduction import plan_trial
+
+    plan_trial.VISIT_SECONDS = 0.0 if hvd.rank() == 0 else 1e6
 
     # Gradients stamped 1 us apart whatever the cores do: on shared cores a backward pass is
     # now and then preempted between two hooks, and a measured gap longer than a reduction's
@@ -742,7 +747,7 @@ def body_plan_chosen_by_step_times():
         lane_sums.append(opt._hvd.lane.sums if opt._hvd.lane is not None else 0)
     layout = opt._hvd.layout
     return close, plans, layout.link_cost, layout.both_ways, layout.trial_medians, \
-        layout.trial_rounds, lane_sums
+        layout.trial_rounds, lane_sums, layout.trial_visit_steps
 
 
 @pytest.mark.timeout(180)
@@ -750,7 +755,7 @@ def body_plan_chosen_by_step_times():
 def test_plan_is_chosen_by_step_times(variable):
     """The default plan "auto": after the steps that time backward (then both ways' reduction
     costs are measured) the next steps visit each candidate three times in turn (A B C A B C
-    A B C), one untimed and 3 timed steps a visit: the measured cut, the caps' buckets and, where
+    A B C), one untimed and (for rank 0's rule here) 3 timed steps a visit: the measured cut, the caps' buckets and, where
     HOROVOD_HIERARCHICAL_ALLREDUCE is unset, the measured cut over hierarchical allreduces;
     every rank keeps the size buckets unless another candidate's median step (rank 0's) is
     more than 5% shorter and its median was shorter in every round, and then that one, its
@@ -767,7 +772,8 @@ def test_plan_is_chosen_by_step_times(variable):
     results = run_ranks(body_plan_chosen_by_step_times, 4, "gloo", env=env,
                         hostnames=hosts, timeout=150)
     assert len({repr(r[1:]) for r in results}) == 1          # every rank alike
-    close, plans, cost, (flat, hierarchical), medians, rounds, lane_sums = results[0]
+    close, plans, cost, (flat, hierarchical), medians, rounds, lane_sums, visit = results[0]
+    assert visit == plan_trial.STEPS < plan_trial.MAX_STEPS     # rank 0's, on every rank
     assert close == [True] * 45
     assert flat.alpha > 0
     tried = [("timed", False), ("size", False)]
@@ -777,7 +783,7 @@ def test_plan_is_chosen_by_step_times(variable):
         assert hierarchical is None
     assert [tuple(c) for c in medians] == tried
     # steps 0 to TIMING_STEPS learn; the step() ending a visit switches to the next visit's
-    per_visit = plan_trial.STEPS + 1
+    per_visit = visit + 1
     expected = [c for _ in range(plan_trial.ROUNDS) for c in tried for _ in range(per_visit)]
     assert all(len(r) == plan_trial.ROUNDS for r in rounds.values())
     size = ("size", False)

@@ -2,6 +2,7 @@
 which plan stays.  Plain Python, no ranks: the times are made up here."""
 import pytest
 
+from horovod_ext.torch.reduction import plan_trial
 from horovod_ext.torch.reduction.plan_trial import Candidate, PlanTrial, choose
 
 TIMED, SIZE, HIER = Candidate("timed", False), Candidate("size", False), Candidate("timed", True)
@@ -62,3 +63,25 @@ def test_a_candidate_must_also_win_every_round():
                   [[0.7, 1.2], [1.0, 1.0], [0.9, 0.9]]) == 2
     assert choose([TIMED, SIZE, HIER], [0.80, 1.0, 0.90],
                   [[0.7, 0.8], [1.0, 1.0], [0.9, 0.9]]) == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_visit_fills_its_time_within_its_bounds():
+    """Steps ending 30 ms apart (a small CNN's) fill VISIT_SECONDS in ceil(0.3 / 0.03) = 10
+    steps; 80 ms steps in 4; steps longer than a tenth of it take the fewest, 1 ms steps the
+    most; the median length counts, so one slow step among them does not shorten the visit;
+    fewer than two ends (no length) give the fewest."""
+    def ends(*lengths):
+        out = [5.0]
+        for d in lengths:
+            out.append(out[-1] + d)
+        return out
+
+    assert (plan_trial.STEPS, plan_trial.MAX_STEPS, plan_trial.VISIT_SECONDS) == (3, 10, 0.3)
+    assert plan_trial.visit_steps(ends(0.030, 0.031)) == 10
+    assert plan_trial.visit_steps(ends(0.080, 0.080)) == 4
+    assert plan_trial.visit_steps(ends(0.5, 0.6)) == 3
+    assert plan_trial.visit_steps(ends(0.001, 0.001, 0.001)) == 10
+    assert plan_trial.visit_steps(ends(0.040, 0.9, 0.040)) == 8
+    assert plan_trial.visit_steps([1.0]) == plan_trial.visit_steps([]) == 3
+    assert plan_trial.visit_steps(ends(0.0, 0.0)) == 3

@@ -144,7 +144,7 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
         before = layout.arrival_order or list(reversed(range(len(layout.params))))
         layout.arrival_order = broadcast(reducer.observed_order())
         layout.arrival_generation = generation
-        layout.arrival_passes = []
+        layout.arrival_passes, layout.pass_ends = [], []
         if bucket_plan() == "size" or (bucket_plan() == "auto" and _one_host()):
             layout.timing_generation = generation     # nothing more to learn
         reducer.arrived.clear()                       # the next step's times are measured
@@ -153,6 +153,7 @@ def follow_arrival_order(state: OptimizerState, broadcast) -> None:
         return
     if layout.timing_generation != generation:
         layout.arrival_passes.append(reducer.observed_pass())
+        layout.pass_ends.append(time.perf_counter())
         reducer.arrived.clear()                       # the next pass is timed afresh
         if len(layout.arrival_passes) >= bucket_timing.TIMING_STEPS:
             _learn_timing(state, broadcast)
@@ -170,13 +171,15 @@ def _one_host() -> bool:
 def _learn_timing(state: OptimizerState, broadcast) -> None:
     """After the timed passes (steps 2 to 1 + TIMING_STEPS): rank 0's median arrival times and
     link costs, and the buckets cut from them; with the plan "auto", the trial of the
-    candidates begins with these (plan_trial.py)."""
+    candidates begins with these, its visits as long as rank 0's steps between the timed passes
+    say (plan_trial.visit_steps)."""
     layout = state.layout
     flat, hierarchical = probe_link(state)
     order, times = bucket_timing.median_arrivals(layout.arrival_passes)
-    layout.arrival_passes = []
-    layout.arrival_order, layout.arrival_times, flat, hierarchical = broadcast(
-        (order, times, flat, hierarchical))
+    visit = plan_trial.visit_steps(layout.pass_ends)
+    layout.arrival_passes, layout.pass_ends = [], []
+    layout.arrival_order, layout.arrival_times, flat, hierarchical, visit = broadcast(
+        (order, times, flat, hierarchical, visit))
     layout.link_cost, layout.cut = flat, "timed"
     layout.both_ways = (flat, hierarchical)
     candidates = [plan_trial.Candidate("timed", False)]
@@ -184,7 +187,8 @@ def _learn_timing(state: OptimizerState, broadcast) -> None:
         candidates.append(plan_trial.Candidate("size", False))
     if hierarchical is not None:   # the way is open: tried under "timed" too
         candidates.append(plan_trial.Candidate("timed", True))
-    layout.trial = plan_trial.PlanTrial(candidates) if len(candidates) > 1 else None
+    layout.trial = plan_trial.PlanTrial(candidates, visit) if len(candidates) > 1 else None
+    layout.trial_visit_steps = visit if layout.trial is not None else None
     layout.timing_generation = state.progress.generation
     _replan_keeping_gradients(state)
 

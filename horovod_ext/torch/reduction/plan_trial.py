@@ -9,24 +9,42 @@ times, the buckets by size alone, and, where the way of the world's allreduces i
 ``ROUNDS`` times in the same order (A B C A B C A B C), so that a drift of the step time (warm
 caches, another job on the hosts) falls on every candidate alike; a visit is one untimed step
 under the new plan (its buffers are new; after a hierarchical visit it turns the bucket lane
-on again, lane.py) and ``STEPS`` timed ones, so that a flat candidate is timed with its buckets
-on the lane, as it trains once chosen, and the hierarchical one without.  DDP's plan (the size
-buckets, flat) stays unless another candidate's median step on rank 0 is shorter by more than
-``MARGIN`` and its median was shorter in every round too: nine steps do not separate plans
-closer than that (step times here move by 3-5% between rounds), where a candidate won in the
-trial by less it often lost afterwards, and a single slow visit of DDP's plan (another job's
-burst) can make a plan look 9% faster over all that then runs 10% slower than DDP's."""
+on again, lane.py) and timed ones, so that a flat candidate is timed with its buckets on the
+lane, as it trains once chosen, and the hierarchical one without.  A visit times enough steps
+to fill ``VISIT_SECONDS`` at the step time measured before the trial (``visit_steps``): from
+``STEPS`` for long steps to ``MAX_STEPS`` for short ones, whose medians over three steps moved
+by more than the gain of a better plan (a 30 ms CNN step: 29.7, 29.4 and 24.0 ms in three
+rounds).  DDP's plan (the size buckets, flat) stays unless another candidate's median step on
+rank 0 is shorter by more than ``MARGIN`` and its median was shorter in every round too: the
+trial's steps do not separate plans closer than that (step times here move by 3-5% between
+rounds), where a candidate won in the trial by less it often lost afterwards, and a single
+slow visit of DDP's plan (another job's burst) can make a plan look 9% faster over all that
+then runs 10% slower than DDP's."""
+import math
 import statistics
 from typing import List, NamedTuple, Optional
 
 ROUNDS = 3         # visits to each candidate
-STEPS = 3          # timed steps a visit
+STEPS = 3          # timed steps a visit, at least
+MAX_STEPS = 10     # and at most
+VISIT_SECONDS = 0.3   # the timed time a visit fills, within those
 MARGIN = 0.05      # how much shorter a median must be to displace DDP's plan
 
 
 class Candidate(NamedTuple):
     cut: str               # "timed" (bucket_timing.cut) or "size" (the caps)
     hierarchical: bool     # the world's allreduces hierarchical
+
+
+def visit_steps(step_ends: List[float]) -> int:
+    """Timed steps a visit takes where steps ended at the times ``step_ends``: enough to fill
+    VISIT_SECONDS at their median length, within STEPS and MAX_STEPS (STEPS where fewer than
+    two ends say nothing)."""
+    lengths = [b - a for a, b in zip(step_ends, step_ends[1:])]
+    step = statistics.median(lengths) if lengths else 0.0
+    if not 0 < step < math.inf:
+        return STEPS
+    return max(STEPS, min(MAX_STEPS, math.ceil(VISIT_SECONDS / step)))
 
 
 class PlanTrial:

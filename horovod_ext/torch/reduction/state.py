@@ -75,6 +75,7 @@ class Layout:
     # each generation: the buckets are cut from them (HOROVOD_GRADIENT_BUCKET_PLAN=timed)
     arrival_times: Optional[List[float]] = None
     arrival_passes: List[Dict[int, float]] = field(default_factory=list)  # until they are learnt
+    pass_ends: List[float] = field(default_factory=list)   # when each of those steps ended
     link_cost: Optional[object] = None
     # the flat and the hierarchical way's cost (None where the way is not open:
     # hierarchy_choice); which cut the buckets follow ("timed" or "size"); the trial of
@@ -85,6 +86,7 @@ class Layout:
     trial: Optional[object] = None
     trial_medians: Optional[dict] = None
     trial_rounds: Optional[dict] = None
+    trial_visit_steps: Optional[int] = None       # timed steps a visit (rank 0's step time)
     timing_generation: int = -1
 
     @classmethod
