@@ -9,7 +9,7 @@ What a DDP user measures first: ``hvd.DistributedOptimizer(Adam, op=hvd.Average)
 ``DistributedDataParallel`` (its defaults: 25 MB buckets and a 1 MB first bucket) in the same
 ranks. Each method first runs the same untimed steps, ``--warmup`` at least, more where ours has
 not yet ended its plan trial (DDP rebuilds its buckets after its first step; ours tries its bucket
-plans until the 40th to the 103rd, its visits being longer where steps are short), then the two
+plans until the 40th to the 193rd, its visits being longer where steps are short), then the two
 take turns in ``--blocks`` blocks (Adam, random data, ``--batch`` samples per rank), the order
 swapped every block. A block runs ``--steps`` steps of one method, its step time being the median
 of the last ``--timed`` on the slowest rank; the ratio is taken block by block against the other

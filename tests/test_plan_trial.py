@@ -67,21 +67,22 @@ def test_a_candidate_must_also_win_every_round():
 
 @pytest.mark.timeout(10)
 def test_a_visit_fills_its_time_within_its_bounds():
-    """Steps ending 30 ms apart (a small CNN's) fill VISIT_SECONDS in ceil(0.3 / 0.03) = 10
-    steps; 80 ms steps in 4; steps longer than a tenth of it take the fewest, 1 ms steps the
-    most; the median length counts, so one slow step among them does not shorten the visit;
-    fewer than two ends (no length) give the fewest."""
+    """Steps ending 80 ms apart fill VISIT_SECONDS in ceil(1 / 0.08) = 13 steps, 110 ms ones in
+    10; steps longer than a third of it take the fewest, 30 ms steps the most; the median length
+    counts, so one slow step among them does not shorten the visit; fewer than two ends (no
+    length) give the fewest."""
     def ends(*lengths):
         out = [5.0]
         for d in lengths:
             out.append(out[-1] + d)
         return out
 
-    assert (plan_trial.STEPS, plan_trial.MAX_STEPS, plan_trial.VISIT_SECONDS) == (3, 10, 0.3)
-    assert plan_trial.visit_steps(ends(0.030, 0.031)) == 10
-    assert plan_trial.visit_steps(ends(0.080, 0.080)) == 4
+    assert (plan_trial.STEPS, plan_trial.MAX_STEPS, plan_trial.VISIT_SECONDS) == (3, 20, 1.0)
+    assert plan_trial.visit_steps(ends(0.080, 0.080)) == 13
+    assert plan_trial.visit_steps(ends(0.110, 0.110)) == 10
     assert plan_trial.visit_steps(ends(0.5, 0.6)) == 3
-    assert plan_trial.visit_steps(ends(0.001, 0.001, 0.001)) == 10
-    assert plan_trial.visit_steps(ends(0.040, 0.9, 0.040)) == 8
+    assert plan_trial.visit_steps(ends(0.030, 0.031)) == 20
+    assert plan_trial.visit_steps(ends(0.001, 0.001, 0.001)) == 20
+    assert plan_trial.visit_steps(ends(0.125, 0.9, 0.125)) == 8
     assert plan_trial.visit_steps([1.0]) == plan_trial.visit_steps([]) == 3
     assert plan_trial.visit_steps(ends(0.0, 0.0)) == 3

@@ -1,33 +1,34 @@
 """The gradient buckets' plan, settled by the training steps themselves.
 
 A cost model cannot see everything a plan costs: on ranks that share cores, each extra bucket's
-request takes processor time from backward, and the hierarchical way's in-node steps wait for the
-slowest local rank's backward. So, with HOROVOD_GRADIENT_BUCKET_PLAN=auto (the default), across
-hosts, DistributedOptimizer trains with each candidate in turn: the buckets cut from the measured
-times, the buckets by size alone, and, where the way of the world's allreduces is open
-(engine.hierarchy_choice), the measured cut with the allreduces hierarchical.  Each is visited
+request takes processor time from backward, and the hierarchical way's in-node steps wait for
+the slowest local rank's backward. So, with HOROVOD_GRADIENT_BUCKET_PLAN=auto (the default),
+across hosts, DistributedOptimizer trains with each candidate in turn: the buckets cut from the
+measured times, the buckets by size alone, and, where the way of the world's allreduces is open
+(engine.hierarchy_choice), the measured cut with the allreduces hierarchical. Each is visited
 ``ROUNDS`` times in the same order (A B C A B C A B C), so that a drift of the step time (warm
 caches, another job on the hosts) falls on every candidate alike; a visit is one untimed step
-under the new plan (its buffers are new; after a hierarchical visit it turns the bucket lane
-on again, lane.py) and timed ones, so that a flat candidate is timed with its buckets on the
-lane, as it trains once chosen, and the hierarchical one without.  A visit times enough steps
-to fill ``VISIT_SECONDS`` at the step time measured before the trial (``visit_steps``): from
-``STEPS`` for long steps to ``MAX_STEPS`` for short ones, whose medians over three steps moved
-by more than the gain of a better plan (a 30 ms CNN step: 29.7, 29.4 and 24.0 ms in three
-rounds).  DDP's plan (the size buckets, flat) stays unless another candidate's median step on
-rank 0 is shorter by more than ``MARGIN`` and its median was shorter in every round too: the
-trial's steps do not separate plans closer than that (step times here move by 3-5% between
-rounds), where a candidate won in the trial by less it often lost afterwards, and a single
-slow visit of DDP's plan (another job's burst) can make a plan look 9% faster over all that
-then runs 10% slower than DDP's."""
+under the new plan (its buffers are new; after a hierarchical visit it turns the bucket lane on
+again, lane.py) and timed ones, so that a flat candidate is timed with its buckets on the lane,
+as it trains once chosen, and the hierarchical one without. A visit times enough steps to fill
+``VISIT_SECONDS`` at the step time measured before the trial (``visit_steps``): from ``STEPS``
+for long steps to ``MAX_STEPS`` for short ones. Visits of 3 steps moved by more than the gain of
+a better plan: a 30 ms CNN step took 29.7, 29.4 and 24.0 ms in three rounds, and the
+hierarchical way, 7-9% faster over all at 1 Gbit/s with 110-130 ms steps, lost one round of
+three by 1% in two trials of three. DDP's plan (the size buckets, flat) stays unless another
+candidate's median step on rank 0 is shorter by more than ``MARGIN`` and its median was shorter
+in every round too: the trial's steps do not separate plans closer than that (step times here
+move by 3-5% between rounds), where a candidate won in the trial by less it often lost
+afterwards, and a single slow visit of DDP's plan (another job's burst) can make a plan look 9%
+faster over all that then runs 10% slower than DDP's."""
 import math
 import statistics
 from typing import List, NamedTuple, Optional
 
 ROUNDS = 3         # visits to each candidate
 STEPS = 3          # timed steps a visit, at least
-MAX_STEPS = 10     # and at most
-VISIT_SECONDS = 0.3   # the timed time a visit fills, within those
+MAX_STEPS = 20     # and at most
+VISIT_SECONDS = 1.0   # the timed time a visit fills, within those
 MARGIN = 0.05      # how much shorter a median must be to displace DDP's plan
 
 
