@@ -22,8 +22,9 @@ which also keeps rank 0's median phases of a step per method and block (``phases
 and forward, backward, opt.step(); DDP reduces inside backward, ours mostly waits in opt.step()),
 rank 0's processor time per step (``cpu_rank0``: every thread of the process, per method and block:
 on ranks that share cores the step time follows it), the plan trial's medians (over all, and per
-round: ``trial_rounds``) and timed steps a visit (``trial_visit_steps``), and the untimed steps
-each method ran (``warmup_steps``).
+round: ``trial_rounds``) and timed steps a visit (``trial_visit_steps``), the untimed steps each
+method ran (``warmup_steps``), and every rank's block medians, phases and processor time
+(``by_rank``).
 """
 import json
 import math
@@ -160,12 +161,15 @@ def worker(args):
                 if name == "hvd":
                     cycles.append((stats["cycles"] - before) / args.steps)
         every = [None] * size
-        dist.all_gather_object(every, medians)
+        dist.all_gather_object(every, (medians, phases, cpu))
+        every, per_rank = [e[0] for e in every], every
         # the slowest rank sets the pace
         results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.blocks)]
                          for name in methods}
         results[kind]["phases_rank0"] = phases
         results[kind]["cpu_rank0"] = cpu
+        # every rank's step times, phases and processor time, by rank: which rank sets the pace
+        results[kind]["by_rank"] = [{"step": m, "phases": p, "cpu": c} for m, p, c in per_rank]
         results[kind]["warmup_steps"] = warmup
         results[kind]["trial_visit_steps"] = opt._hvd.layout.trial_visit_steps
         results[kind]["params"] = sum(p.numel() for p in ours.parameters())
