@@ -2,7 +2,8 @@
 
     python benchmarks/against_commit.py --commit e798c81 --bench synthetic --runs 3 -- --np 2 --quick
     python benchmarks/against_commit.py --commit e798c81 --bench allreduce --runs 3 -- --quick
-    python benchmarks/against_commit.py --commit e798c81 --bench onebit --runs 3 -- --quick --nps 2
+    python benchmarks/against_commit.py --commit e798c81 --bench onebit --runs 3 -- --quick \
+        --nps 2
 
 The other commit is checked out into a temporary git worktree (its optional C kernels built in
 place when a compiler is present) and its own copy of the benchmark runs there, with that tree

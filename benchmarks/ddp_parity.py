@@ -160,9 +160,9 @@ def worker(args):
                 phases[name].append([statistics.median(t[i] for t in times) for i in (1, 2, 3)])
                 if name == "hvd":
                     cycles.append((stats["cycles"] - before) / args.steps)
-        every = [None] * size
-        dist.all_gather_object(every, (medians, phases, cpu))
-        every, per_rank = [e[0] for e in every], every
+        per_rank = [None] * size
+        dist.all_gather_object(per_rank, (medians, phases, cpu))
+        every = [m for m, _, _ in per_rank]
         # the slowest rank sets the pace
         results[kind] = {name: [max(r[name][i] for r in every) for i in range(args.blocks)]
                          for name in methods}

@@ -696,13 +696,20 @@ def test_buckets_cut_from_measured_times():
     assert all(len(b) == 1 or sum(sizes[order.index(n)] for n in b) <= 600 for b in timed)
 
 
+VISIT_CAP = 5         # timed steps a visit at most in the trial test (plan_trial.MAX_STEPS)
+TRIAL_TEST_STEPS = 70
+
+
 def body_plan_chosen_by_step_times():
-    """Forty-five steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
+    """Seventy steps over 2 pretend hosts x 2 ranks, each rank's gradients its own; per step
     whether the averaged gradients match the mean of every rank's, computed here, and the plan
     after it (the buckets' cut and whether the world's allreduces are hierarchical); then the
     link cost the buckets are cut with, both ways' costs, the trial's medians and its timed
-    steps a visit.  Only rank 0's step times set a visit's length: rank 0's rule here gives
-    the fewest steps (plan_trial.STEPS) whatever a step lasts, the others' the most."""
+    steps a visit.  Only rank 0's step times set a visit's length: with at most 5 steps a
+    visit here, rank 0's rule gives the most (any measured step is shorter than its 1e6 s),
+    the others' the fewest (plan_trial.STEPS), so a visit of 5 steps on every rank shows both
+    that rank 0 measured its steps (none measured gives the fewest) and that its count was
+    broadcast."""
     import itertools
 
     import horovod_ext.torch as hvd
@@ -710,7 +717,8 @@ def body_plan_chosen_by_step_times():
     from horovod_ext.torch import bucket_timing
     from horovod_ext.torch.reduction import plan_trial
 
-    plan_trial.VISIT_SECONDS = 0.0 if hvd.rank() == 0 else 1e6
+    plan_trial.MAX_STEPS = VISIT_CAP
+    plan_trial.VISIT_SECONDS = 1e6 if hvd.rank() == 0 else 0.0
 
     # Gradients stamped 1 us apart whatever the cores do: on shared cores a backward pass is
     # now and then preempted between two hooks, and a measured gap longer than a reduction's
@@ -727,7 +735,7 @@ def body_plan_chosen_by_step_times():
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     close, plans, lane_sums = [], [], []   # lane_sums: buckets summed on the lane so far
-    for step in range(45):
+    for step in range(TRIAL_TEST_STEPS):
         inputs = [torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + r))
                   for r in range(hvd.size())]
         own = []
@@ -755,8 +763,9 @@ def body_plan_chosen_by_step_times():
 def test_plan_is_chosen_by_step_times(variable):
     """The default plan "auto": after the steps that time backward (then both ways' reduction
     costs are measured) the next steps visit each candidate three times in turn (A B C A B C
-    A B C), one untimed and (for rank 0's rule here) 3 timed steps a visit: the measured cut, the caps' buckets and, where
-    HOROVOD_HIERARCHICAL_ALLREDUCE is unset, the measured cut over hierarchical allreduces;
+    A B C), one untimed step and (rank 0's count here) 5 timed ones a visit: the measured cut,
+    the caps' buckets and, where HOROVOD_HIERARCHICAL_ALLREDUCE is unset, the measured cut over
+    hierarchical allreduces;
     every rank keeps the size buckets unless another candidate's median step (rank 0's) is
     more than 5% shorter and its median was shorter in every round, and then that one, its
     buckets cut with that way's link cost.  The averages are exact every step.  A first bucket of
@@ -773,8 +782,8 @@ def test_plan_is_chosen_by_step_times(variable):
                         hostnames=hosts, timeout=150)
     assert len({repr(r[1:]) for r in results}) == 1          # every rank alike
     close, plans, cost, (flat, hierarchical), medians, rounds, lane_sums, visit = results[0]
-    assert visit == plan_trial.STEPS < plan_trial.MAX_STEPS     # rank 0's, on every rank
-    assert close == [True] * 45
+    assert visit == VISIT_CAP > plan_trial.STEPS     # rank 0's, measured, on every rank
+    assert close == [True] * TRIAL_TEST_STEPS
     assert flat.alpha > 0
     tried = [("timed", False), ("size", False)]
     if variable is None:

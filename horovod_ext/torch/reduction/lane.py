@@ -20,13 +20,13 @@ every rank sees alike:
 Eligible, alike on every rank: HOROVOD_BUCKET_LANE=1 (the default; 0 sends every bucket the
 engine's way) on every rank, Gloo, the optimizer over the world, the gradients' arrival times
 learnt (the trial of plans runs its flat candidates on the lane, so that it weighs them as they
-will train; plan_trial.py), no autotune, allreduces that are one call of the world
-communicator (not hierarchical, not through shared memory: with every rank on one host the engine's way sums
-there, faster than a Gloo group: benchmarks/synthetic.py's MLP at np=2 trains about 15%
-faster that way than on the lane), host buckets of floats whose op sums (Sum;
-Average, divided as the gradients came where Settings.bucket_divisor allows, after the sum
-otherwise), no scale factors, no compression.  On the timeline a lane's sum is a
-GLOO_ALLREDUCE on its bucket's track, with no negotiation before it.
+will train; plan_trial.py), no autotune, allreduces that are one call of the world communicator
+(not hierarchical, not through shared memory: with every rank on one host the engine's way sums
+there, faster than a Gloo group: benchmarks/synthetic.py's MLP at np=2 trains about 15% faster
+that way than on the lane), host buckets of floats whose op sums (Sum; Average, divided as the
+gradients came where Settings.bucket_divisor allows, after the sum otherwise), no scale factors,
+no compression. On the timeline a lane's sum is a GLOO_ALLREDUCE on its bucket's track, with no
+negotiation before it.
 """
 import weakref
 from typing import List, Optional, Set
@@ -147,8 +147,8 @@ def _summed(reducer, bucket: Bucket) -> bool:
     """Whether ``bucket``'s reduction is a sum on the lane, then the op's finish (Average's
     division, unless its gradients were divided as they came): a host bucket of floats whose
     allreduce the engine's way makes one call of the world communicator (not hierarchical, not
-    through shared memory, which on one host beats the lane's Gloo group), under an op that sums (Sum,
-    Average), with no scale factors and no compression."""
+    through shared memory, which on one host beats the lane's Gloo group), under an op that
+    sums (Sum, Average), with no scale factors and no compression."""
     settings, flat = reducer.settings, bucket.flat
     if (flat.is_cuda or not flat.dtype.is_floating_point
             or not runtime.engine().comms.reduces_on_world(flat)):
