@@ -139,10 +139,9 @@ class Communicator(ABC):
     #: lose at every size: a 1 KiB Sum took 474 us over them and 152 us through shared memory
     #: at 2 ranks, 4.8 ms and 0.6 ms at 4 ranks on 2 cores.
     shared_memory_from_bytes = 0
-    #: Whether this communicator's send/receive between ranks of one host already goes through
-    #: shared memory (MPI's in-node transport): steps built from exchanges, such as Adasum's
-    #: levels, then gain nothing from running through the shared-memory group instead.
-    exchanges_in_shared_memory = False
+    #: From this many bytes, a step that reads every local rank's vector (in-node Adasum) goes
+    #: faster through the shared-memory group than as exchanges over this communicator.
+    whole_vector_steps_in_shared_memory_from_bytes = 0
 
     # Algorithms that repeat one exchange every step (Adasum's levels) can prepare it once.
     # Right after a large transfer has evicted the caches, each torch op on the way to the

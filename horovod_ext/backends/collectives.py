@@ -59,11 +59,14 @@ class Collectives:
 
     def single_host_group(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
         """The shared-memory group of all ranks when every one is on this host, the host
-        allows it, ``buffer`` can go through it and the world's own exchanges do not already
-        (the same answer on every rank); else None.  For ops whose own step reads every rank's
+        allows it, ``buffer`` can go through it and is large enough for that to beat the world
+        communicator's exchanges (its ``whole_vector_steps_in_shared_memory_from_bytes``; the
+        same answer on every rank); else None.  For ops whose own step reads every rank's
         vector (in-node Adasum)."""
         t = self.topology
-        if self.hierarchical or t.num_nodes != 1 or self.world.exchanges_in_shared_memory:
+        nbytes = buffer.numel() * buffer.element_size()
+        if (self.hierarchical or t.num_nodes != 1
+                or nbytes < self.world.whole_vector_steps_in_shared_memory_from_bytes):
             return None
         return t.in_node(buffer.view(-1))
 
