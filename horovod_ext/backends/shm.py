@@ -17,6 +17,7 @@ rank whose process has gone, ends in ``CommunicationError`` naming the local ran
 Counters are plain int64 stores into the mapping, written after the data they publish: x86's
 total store order makes the data visible first (this module is not used on other CPUs).
 """
+import ctypes
 import math
 import mmap
 import os
@@ -96,6 +97,7 @@ class SharedMemoryGroup:
         self._pids[self.rank] = os.getpid()
         self._slots = [torch.frombuffer(mm, dtype=torch.uint8, count=capacity,
                                         offset=header + k * capacity) for k in range(self.size)]
+        self._slot_addresses = [slot.data_ptr() for slot in self._slots]
         self.comm.barrier()           # pids written, counters at zero everywhere
 
     def close(self):
@@ -107,6 +109,7 @@ class SharedMemoryGroup:
     def _release(self):
         if self._mm is not None:
             self._slots, self._counters, self._pids = [], None, None
+            self._slot_addresses = []
             try:
                 self._mm.close()
             except BufferError:  # a tensor still views it: the mapping goes with that tensor
@@ -214,23 +217,32 @@ class SharedMemoryGroup:
 
     # --- whole vectors, for steps that read every rank's buffer (in-node Adasum) -------------
     def publish(self, flat: torch.Tensor, table_bytes: int = 0,
-                private: Tuple[int, int] = (0, 0)) -> List[torch.Tensor]:
+                private: Tuple[int, int] = (0, 0)):
         """``flat`` (contiguous 1-D CPU) into this rank's slot, except ``flat[private[0]:
-        private[1]]``, which only this rank reads (from ``flat``); then every local rank's slot
-        as a tensor like ``flat`` (valid until the next call of any method of this group).
-        Each slot keeps two areas of ``table_bytes`` past the data for ``sum_tables``."""
-        nbytes = flat.numel() * flat.element_size()
+        private[1]]``, which only this rank reads (from ``flat``); the slots are then read
+        through ``slots_like`` or ``slot_address`` until the next call of any method of this
+        group.  Each slot keeps two areas of ``table_bytes`` past the data for ``sum_tables``.
+        The copies go by address: on small buffers, a torch slice and copy each cost more."""
+        size = flat.element_size()
+        nbytes = flat.numel() * size
         self._table_at = -(-nbytes // _LINE) * _LINE
         self._table_room = -(-table_bytes // _LINE) * _LINE
         self._ensure(self._table_at + 2 * self._table_room)
-        views = [self._view(k, flat) for k in range(self.size)]
-        if views[self.rank].data_ptr() != flat.data_ptr():
+        mine, at = self.slot_address(self.rank), flat.data_ptr()
+        if mine != at:
             lo, hi = private
-            views[self.rank][:lo].copy_(flat[:lo])
-            views[self.rank][hi:].copy_(flat[hi:])
+            ctypes.memmove(mine, at, lo * size)
+            ctypes.memmove(mine + hi * size, at + hi * size, nbytes - hi * size)
         self._arrive_and_wait("publish")
         self._table_area = 0
-        return views
+
+    def slots_like(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """Every local rank's slot as a tensor like ``flat``."""
+        return [self._view(k, flat) for k in range(self.size)]
+
+    def slot_address(self, k: int) -> int:
+        """Where local rank ``k``'s slot starts."""
+        return self._slot_addresses[k]
 
     def sum_tables(self, table: np.ndarray) -> np.ndarray:
         """The sum over the local ranks of the float64 ``table`` (the same shape on each), added

@@ -30,6 +30,7 @@ import torch
 
 from horovod_ext.backends import native
 
+from .. import compiled
 from . import operator
 from .gather import tree_levels
 from .operator import CHUNK, Piece, Run
@@ -171,3 +172,48 @@ def mix_(out: torch.Tensor, vectors: List[torch.Tensor], weights: np.ndarray, pi
         if copy is not None:
             copy[start:end] = total
     return out
+
+
+class HostTree:
+    """``gram`` and ``mix_`` of k CPU vectors given by address, through the C kernels, for one
+    layout that recurs every step (shared_memory.py keeps one per buffer): on small buffers the
+    slices, tables and checks around the kernels cost more than the kernels.  The same kernels
+    as those functions call, so the same bits."""
+
+    def __init__(self, kernels: "operator.Kernels", suffix: str, k: int, layer_count: int):
+        self.k, self.itemsize = k, kernels.itemsize
+        self.vectors = (ctypes.c_void_p * k)()      # set by the caller before each pass
+        self._dots = kernels.dots                   # two vectors: [a.b, a.a, b.b] per layer
+        self._gram = getattr(_LIB, f"hx_adasum_gram_{suffix}")
+        self._mix = getattr(_LIB, f"hx_adasum_mix_{suffix}")
+        self._table = np.zeros((layer_count, 3 if k == 2 else pair_count(k)))
+        self._table_at = self._table.ctypes.data
+
+    @staticmethod
+    def for_tensor(x: torch.Tensor, k: int, layer_count: int) -> Optional["HostTree"]:
+        """A HostTree for vectors like ``x``, or None where the C kernels do not take them."""
+        kernels = operator.kernels_for(x)
+        suffix = _SUFFIX.get(x.dtype)
+        if _LIB is None or kernels is None or suffix is None or compiled.used_for(x):
+            return None
+        return HostTree(kernels, suffix, k, layer_count)
+
+    def gram(self, piece: Piece) -> np.ndarray:
+        """This piece's table of ``self.vectors``, in the layout ``packed`` takes (a table
+        summed over shards first, then packed: the sum of packed tables, bit for bit)."""
+        self._table.fill(0.0)
+        if self.k == 2:
+            self._dots(self.vectors[0], self.vectors[1], piece, self._table_at)
+        elif piece.count:
+            self._gram(self.vectors, self.k, piece.address, piece.count, self._table_at)
+        return self._table
+
+    def packed(self, table: np.ndarray) -> np.ndarray:
+        """A table from ``gram`` (or a sum of them) as ``gram()`` gives it."""
+        return table[:, [1, 0, 2]] if self.k == 2 else table
+
+    def mix(self, out: int, copy: Optional[int], piece: Piece, weights: np.ndarray):
+        """``mix_`` on ``self.vectors`` into the vectors at ``out`` and ``copy`` (or None)."""
+        if piece.count:
+            self._mix(self.vectors, self.k, out, copy, piece.address, piece.count,
+                      np.ascontiguousarray(weights, dtype=np.float64).ctypes.data)
