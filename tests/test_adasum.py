@@ -354,6 +354,48 @@ def test_c_kernels_match_torch_code():
         assert torch.equal(native[3:5003], a[3:5003])
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_kernels_by_address_give_the_bits_of_the_tensor_calls(k):
+    """HostTree (the in-node path's kernels on addresses, made once per layout) gives the bits
+    of gram() and mix_() on the same vectors, for two vectors (the pair's dot products,
+    reordered) and more (the Gram kernel), copy or not, on a piece that cuts layers."""
+    import numpy as np
+    from horovod_ext.algorithms.adasum.gram import HostTree, gram, mix_, tree_weights
+    from horovod_ext.algorithms.adasum.operator import LayerMap
+    sizes = [3, 5000, 1, 0, 70000, 2, 300, 4099]
+    bounds, off = [], 0
+    for n in sizes:
+        bounds.append((off, n))
+        off += n
+    layers = LayerMap(bounds)
+    lo, hi = 100, off - 7
+    piece = layers.piece(lo, hi)
+    g = torch.Generator().manual_seed(k)
+    for dtype in (torch.float32, torch.float64):
+        vectors = [torch.randn(off, generator=g).to(dtype) for _ in range(k)]
+        shards = [v[lo:hi] for v in vectors]
+        host = HostTree.for_tensor(vectors[0], k, layers.count)
+        assert host is not None, "adasum C kernels not built (no C compiler at install?)"
+        for j, v in enumerate(vectors):
+            host.vectors[j] = v.data_ptr() + lo * v.element_size()
+        expected = gram(shards, piece)
+        # two shards' tables summed, then packed, as the in-node path does
+        first = host.gram(piece).copy()   # gram() refills one table every call
+        got = host.packed(first + host.gram(piece))
+        assert np.array_equal(got, expected + expected), (k, dtype)
+        weights = tree_weights(expected, k)
+        out, copy = torch.empty(off, dtype=dtype), torch.empty(off, dtype=dtype)
+        want_out, want_copy = torch.zeros(hi - lo, dtype=dtype), torch.zeros(hi - lo, dtype=dtype)
+        mix_(want_out, shards, weights, piece, want_copy)
+        host.mix(out.data_ptr() + lo * out.element_size(),
+                 copy.data_ptr() + lo * copy.element_size(), piece, weights)
+        assert torch.equal(out[lo:hi], want_out) and torch.equal(copy[lo:hi], want_copy)
+        mix_(want_out, shards, weights, piece)   # in place over the first vector, no copy
+        host.mix(host.vectors[0], None, piece, weights)
+        assert torch.equal(vectors[0][lo:hi], want_out), (k, dtype)
+
+
 @pytest.mark.timeout(60)
 def test_device_generic_code_matches_cpu_code(monkeypatch):
     """The torch code that CUDA tensors run (HOST_CODE off: no C kernels, numpy reduceat or C
