@@ -3,6 +3,7 @@ hierarchical allreduce over it, a local rank that dies, and nothing left in /dev
 import glob
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -175,6 +176,41 @@ def test_single_host_adasum_through_shared_memory_by_size(backend, shared):
     for through_segment, errors in results:
         assert through_segment == ([small_too, True] if shared == "1" else [False, False])
         assert max(errors) < 1e-5, errors
+
+
+def body_segment_too_large(directory: str):
+    """A 16 MiB allreduce whose segment ``directory`` cannot hold: (the error, its seconds)."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends import shm
+    shm.SEGMENT_DIR = directory
+    start = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(4 << 20), op=hvd.Sum, name="big")
+    except Exception as exc:   # the error the user sees
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_segment_larger_than_its_file_system_fails_clearly_on_every_rank(tmp_path):
+    """A segment that does not fit /dev/shm (a container's 64 MiB, say) ends in an error on
+    every rank that names the room needed and the two ways out, at once, where writing into
+    the unreserved pages killed a rank with SIGBUS."""
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(directory)],
+                   check=True, timeout=20)
+    try:
+        results = run_ranks(body_segment_too_large, 2, "gloo", args=(str(directory),),
+                            timeout=50)
+    finally:
+        subprocess.run(["umount", str(directory)], check=True, timeout=20)
+    for message, seconds in results:
+        assert message is not None, "a 32 MiB segment fitted in 8 MiB"
+        assert "needs 32 MiB (2 local ranks x 16 MiB)" in message, message
+        assert "8 MiB free" in message and "HOROVOD_SHARED_MEMORY=0" in message, message
+        assert seconds < 20, seconds
 
 
 def body_local_rank_dies():

@@ -18,6 +18,7 @@ Counters are plain int64 stores into the mapping, written after the data they pu
 total store order makes the data visible first (this module is not used on other CPUs).
 """
 import ctypes
+import errno
 import math
 import mmap
 import os
@@ -33,6 +34,7 @@ import torch
 from .base import CommunicationError, Communicator, ReduceOp, split_sizes
 
 _LINE = 64                        # one counter per cache line
+_MIB = 1 << 20                    # a segment's slots are whole MiB
 _SPIN_S = 50e-6                   # busy-poll this long,
 _YIELD_S = 2e-3                   # then give the core to other runnable processes this long,
 _NAP_S = 20e-6                    # then nap between polls
@@ -67,18 +69,15 @@ class SharedMemoryGroup:
         """Collective over the local ranks (they all reduce buffers of the same size)."""
         if nbytes <= self._capacity:
             return
-        capacity = max(nbytes, 2 * self._capacity, 1 << 20)
-        capacity = -(-capacity // _LINE) * _LINE
+        # whole MiB, and no more: every page is reserved up front (_create)
+        capacity = -(-max(nbytes, 1) // _MIB) * _MIB
         header = 2 * self.size * _LINE
-        name = None
+        name = failure = None
         if self.rank == 0:
-            name = os.path.join(SEGMENT_DIR, f"horovod_ext-{os.getpid()}-{uuid.uuid4().hex}")
-            fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, header + capacity * self.size)
-            finally:
-                os.close(fd)
-        name = self.comm.broadcast_object(name, root=0)
+            name, failure = _create(header + capacity * self.size, self.size, capacity)
+        name, failure = self.comm.broadcast_object((name, failure), root=0)
+        if failure is not None:
+            raise CommunicationError(failure)
         try:
             fd = os.open(name, os.O_RDWR)
             try:
@@ -218,11 +217,10 @@ class SharedMemoryGroup:
     # --- whole vectors, for steps that read every rank's buffer (in-node Adasum) -------------
     def publish(self, flat: torch.Tensor, table_bytes: int = 0,
                 private: Tuple[int, int] = (0, 0)):
-        """``flat`` (contiguous 1-D CPU) into this rank's slot, except ``flat[private[0]:
-        private[1]]``, which only this rank reads (from ``flat``); the slots are then read
-        through ``slots_like`` or ``slot_address`` until the next call of any method of this
-        group.  Each slot keeps two areas of ``table_bytes`` past the data for ``sum_tables``.
-        The copies go by address: on small buffers, a torch slice and copy each cost more."""
+        """``flat`` (contiguous 1-D CPU) into this rank's slot (by address: cheaper than torch
+        slices on small buffers), except ``flat[private[0]:private[1]]``, which only this rank
+        reads; the slots are then read through ``slots_like`` or ``slot_address`` until the
+        next call of this group.  Each slot keeps two ``table_bytes`` areas for ``sum_tables``."""
         size = flat.element_size()
         nbytes = flat.numel() * size
         self._table_at = -(-nbytes // _LINE) * _LINE
@@ -344,6 +342,32 @@ class SharedMemoryGroup:
         # Nobody may refill its slot (the next call) before every rank has read it.
         self._arrive_and_wait("all-gather")
         return flat
+
+
+def _create(size: int, ranks: int, capacity: int) -> Tuple[Optional[str], Optional[str]]:
+    """A new segment file of ``size`` bytes, its pages reserved: (its path, None), or (None, why
+    it cannot be made).  tmpfs hands out a page at its first write, and a write past the
+    file system's size kills the writer with SIGBUS, with no word of why; reserved up front,
+    a segment that does not fit fails here, on every local rank alike, with what to change."""
+    name = os.path.join(SEGMENT_DIR, f"horovod_ext-{os.getpid()}-{uuid.uuid4().hex}")
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return name, None        # a file system that cannot reserve: pages as written
+        os.unlink(name)
+        stat = os.statvfs(SEGMENT_DIR)
+        return None, (f"the in-node shared-memory segment needs {size / _MIB:.0f} MiB "
+                      f"({ranks} local ranks x {capacity / _MIB:.0f} MiB) and {SEGMENT_DIR} "
+                      f"has {stat.f_bavail * stat.f_frsize / _MIB:.0f} MiB free "
+                      f"({os.strerror(exc.errno)}): give {SEGMENT_DIR} more room (docker run "
+                      f"--shm-size=..., or --ipc=host), or set HOROVOD_SHARED_MEMORY=0 to "
+                      f"reduce through the transport instead")
+    finally:
+        os.close(fd)
+    return name, None
 
 
 def _alive(pid: int) -> bool:
