@@ -215,5 +215,6 @@ class HostTree:
     def mix(self, out: int, copy: Optional[int], piece: Piece, weights: np.ndarray):
         """``mix_`` on ``self.vectors`` into the vectors at ``out`` and ``copy`` (or None)."""
         if piece.count:
+            weights = np.ascontiguousarray(weights, dtype=np.float64)   # alive for the call
             self._mix(self.vectors, self.k, out, copy, piece.address, piece.count,
-                      np.ascontiguousarray(weights, dtype=np.float64).ctypes.data)
+                      weights.ctypes.data)
