@@ -227,20 +227,34 @@ static inline __attribute__((always_inline)) void widen8(const float *p, f64x4 *
     *hi = __builtin_convertvector(__builtin_shufflevector(u, u, 4, 5, 6, 7), f64x4);
 }
 
-/* One block into acc (one f64x4 per pair); for a few vectors (K known when compiled) each 8
- * elements of every vector are widened once for all pairs, any k widens them per pair. */
+/* One block into acc (one f64x4 per pair); for a few vectors (K known when compiled) each 4
+ * elements of every vector are widened once for all pairs, and the block's sums stay in
+ * registers (K = 4: 10 sums and 4 widened vectors, within AVX2's 16) before they join acc,
+ * which lives in memory (its length is k's); any k widens them per pair. */
+typedef float f32x4 __attribute__((vector_size(16)));
+
+static inline __attribute__((always_inline)) f64x4 widen4(const float *p)
+{
+    f32x4 u;
+    memcpy(&u, p, sizeof u);
+    return __builtin_convertvector(u, f64x4);
+}
+
 #define GRAM_BLOCK(NAME, K)                                                            \
     static inline __attribute__((always_inline)) void NAME(const float *const *v,      \
                                                            int64_t at, f64x4 *acc)     \
     {                                                                                  \
-        for (int64_t j = at; j < at + F32_BLOCK; j += 8) {                             \
-            f64x4 lo[K], hi[K];                                                        \
+        f64x4 sum[GRAM_PAIRS(K)] = {0};                                                \
+        for (int64_t j = at; j < at + F32_BLOCK; j += 4) {                             \
+            f64x4 x[K];                                                                \
             for (int a = 0; a < K; a++)                                                \
-                widen8(v[a] + j, &lo[a], &hi[a]);                                      \
+                x[a] = widen4(v[a] + j);                                               \
             for (int a = 0, p = 0; a < K; a++)                                         \
                 for (int b = a; b < K; b++, p++)                                       \
-                    acc[p] += lo[a] * lo[b] + hi[a] * hi[b];                           \
+                    sum[p] += x[a] * x[b];                                             \
         }                                                                              \
+        for (int p = 0; p < GRAM_PAIRS(K); p++)                                        \
+            acc[p] += sum[p];                                                          \
     }
 
 GRAM_BLOCK(gram_block_3, 3)
