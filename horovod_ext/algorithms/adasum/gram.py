@@ -46,6 +46,10 @@ _LIB = native.load("horovod_ext.algorithms.adasum._kernels", {
                                ctypes.c_void_p)})
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
+# A pair's [a.b, a.a, b.b] (operator.partial_dots, the dots kernel) as the packed Gram row
+# [a.a, a.b, b.b].
+PAIR_AS_PACKED = [1, 0, 2]
+
 # Relative size, against the terms it sums, below which w^T G w counts as zero: float64's
 # rounding of a sum of k^2 terms stays far below it.
 ZERO_SIDE = 1e-12
@@ -73,7 +77,7 @@ def gram(vectors: List[torch.Tensor], piece: Piece) -> np.ndarray:
     ``vectors`` over the segments of ``piece``, the packed upper triangle row by row."""
     k = len(vectors)
     if k == 2:   # the pair's [a.b, a.a, b.b], as the tree level by level computes them
-        return operator.partial_dots(vectors[0], vectors[1], piece).numpy()[:, [1, 0, 2]]
+        return operator.partial_dots(vectors[0], vectors[1], piece).numpy()[:, PAIR_AS_PACKED]
     out = np.zeros((piece.layer_count, pair_count(k)))
     if not piece.count:
         return out
@@ -210,7 +214,7 @@ class HostTree:
 
     def packed(self, table: np.ndarray) -> np.ndarray:
         """A table from ``gram`` (or a sum of them) as ``gram()`` gives it."""
-        return table[:, [1, 0, 2]] if self.k == 2 else table
+        return table[:, PAIR_AS_PACKED] if self.k == 2 else table
 
     def mix(self, out: int, copy: Optional[int], piece: Piece, weights: np.ndarray):
         """``mix_`` on ``self.vectors`` into the vectors at ``out`` and ``copy`` (or None)."""
