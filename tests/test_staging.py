@@ -110,6 +110,57 @@ def test_a_failing_collective_returns_the_buffer_and_raises():
     assert torch.equal(x, torch.full((100,), 2.0)) and stager.buffers.allocations == 1
 
 
+def _stand_in_started(log, fail_at=None):
+    """A stand-in collective that starts at its call and reduces (x3 + 1) only when waited for,
+    so that a chunk copied back before its wait keeps its old values; ``log`` records
+    ("start", k) and ("wait", k); the wait of chunk ``fail_at`` raises."""
+    def start(chunk):
+        k = sum(1 for e in log if e[0] == "start")
+        log.append(("start", k))
+
+        def wait():
+            log.append(("wait", k))
+            if k == fail_at:
+                raise RuntimeError("peer died")
+            chunk.mul_(3).add_(1)
+        return wait
+    return start
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3, 7, 200])
+def test_chunks_in_flight_are_waited_for_oldest_first_before_more_start(in_flight):
+    stager = staging.Stager(staging.HostBuffers(pin=False))
+    x = torch.arange(1001, dtype=torch.float32)
+    log = []
+    stager.allreduce(x, _stand_in_started(log), chunk_bytes=40, in_flight=in_flight)
+    assert torch.equal(x, torch.arange(1001, dtype=torch.float32) * 3 + 1)
+    chunks = 101
+    assert [k for e, k in log if e == "start"] == list(range(chunks))
+    assert [k for e, k in log if e == "wait"] == list(range(chunks)), "not oldest first"
+    waited, most = 0, 0
+    for event, k in log:
+        if event == "start":
+            most = max(most, k + 1 - waited)
+        else:
+            waited += 1
+    assert most == min(in_flight, chunks), f"{most} chunks in flight at once, not {in_flight}"
+    assert stager.buffers.allocations == 1 and stager.buffers.idle == 1
+
+
+def test_a_failed_chunk_in_flight_raises_and_its_buffer_is_never_lent_again():
+    stager = staging.Stager(staging.HostBuffers(pin=False))
+    log = []
+    with pytest.raises(RuntimeError, match="peer died"):
+        stager.allreduce(torch.ones(100), _stand_in_started(log, fail_at=1), chunk_bytes=40,
+                         in_flight=3)
+    assert log[-1] == ("wait", 1) and ("start", 3) in log and ("start", 4) not in log, log
+    # chunks 2 and 3 may still be written by their collectives: the buffer is dropped
+    assert stager.buffers.idle == 0 and stager.buffers._lent == {}
+    x = torch.ones(100)
+    stager.allreduce(x, _stand_in_started([]), chunk_bytes=40, in_flight=3)
+    assert torch.equal(x, torch.full((100,), 4.0)) and stager.buffers.allocations == 2
+
+
 # --- the buffer cache -----------------------------------------------------------------------
 def test_the_cache_reuses_buffers_across_sizes_and_dtypes_of_one_class():
     cache = staging.HostBuffers(pin=False)
@@ -315,6 +366,48 @@ def test_staged_allreduces_in_one_node_go_through_shared_memory(shared_memory):
             assert calls == [], f"the world communicator carried {calls}"
         else:
             assert len(calls) == 4 and all(n > 0 for n in calls), calls
+
+
+def body_gloo_chunks_in_flight():
+    """A staged Sum over Gloo (no shared memory) in chunks of 4 KiB: the most chunk collectives
+    started and not yet waited for at once, the chunks, and whether it equals the unstaged
+    Sum."""
+    from horovod_ext.backends.torch_dist import TorchCommunicator
+    from horovod_ext.engine import runtime
+    world = runtime.state.comms.world
+    staging.CHUNK_BYTES = 4096
+    counts = {"open": 0, "most": 0, "started": 0}
+    start, wait = TorchCommunicator._start, TorchCommunicator._wait
+
+    def counting_start(self, *args, **kwargs):
+        counts["open"] += 1
+        counts["started"] += 1
+        counts["most"] = max(counts["most"], counts["open"])
+        return start(self, *args, **kwargs)
+
+    def counting_wait(self, work, group):
+        wait(self, work, group)
+        counts["open"] -= 1
+    TorchCommunicator._start, TorchCommunicator._wait = counting_start, counting_wait
+    x = _sample(world.rank, 100_000, torch.float32, 3, True)
+    staging.STAGE_HOST_TENSORS = True
+    staged = world.allreduce(x.clone())
+    staging.STAGE_HOST_TENSORS = False
+    TorchCommunicator._start, TorchCommunicator._wait = start, wait
+    return counts, torch.equal(staged, world.allreduce(x.clone()))
+
+
+@pytest.mark.timeout(120)
+def test_staged_chunks_over_gloo_are_in_flight_together():
+    """Over Gloo a staged allreduce keeps GLOO_IN_FLIGHT chunks' collectives started at once
+    (one after the other, each chunk pays Gloo's round trips again), and its sum is the
+    unstaged one's."""
+    results = run_ranks(body_gloo_chunks_in_flight, 2, "gloo",
+                        env={"HOROVOD_SHARED_MEMORY": "0"}, timeout=100)
+    for rank, (counts, same) in enumerate(results):
+        assert same, f"rank {rank}: staged differs from unstaged"
+        assert counts["started"] == len(staging.chunk_bounds(100_000, torch.float32, 4096))
+        assert counts["most"] == staging.GLOO_IN_FLIGHT and counts["open"] == 0, counts
 
 
 # --- on a GPU: the pinned, streamed path --------------------------------------------------------

@@ -18,6 +18,7 @@ ones, and the process's exit closes the old one's sockets.
 """
 import ctypes
 import datetime
+import functools
 import queue
 import threading
 from typing import Sequence
@@ -120,6 +121,12 @@ class TorchCommunicator(Communicator):
         """``collective(*args, group=group, **kwargs)``, waited for by ``_wait``."""
         self._wait(collective(*args, group=group, async_op=True, **kwargs), group)
 
+    def _start(self, collective, *args, group, **kwargs):
+        """``collective(*args, group=group, **kwargs)`` started; returns what waits for it
+        (``_wait``)."""
+        return functools.partial(self._wait, collective(*args, group=group, async_op=True,
+                                                        **kwargs), group)
+
     def _wait(self, work, group):
         """Over Gloo, in slices, so that ``abort`` ends the wait; NCCL's as it comes."""
         if group is self._cuda_group:
@@ -202,11 +209,13 @@ class TorchCommunicator(Communicator):
             tensor.copy_(carrier)
             return
         if staging.needed(tensor, self._nccl_for(tensor)):
-            # chunk by chunk, each chunk's copies overlapping its neighbours' collectives
+            # chunk by chunk, several in flight, each chunk's copies overlapping its
+            # neighbours' collectives
             group, torch_op = self._cpu_group, _TORCH_OPS[op]
             staging.stager().allreduce(
-                tensor, lambda chunk: self._call(dist.all_reduce, chunk, op=torch_op,
-                                                 group=group))
+                tensor, lambda chunk: self._start(dist.all_reduce, chunk, op=torch_op,
+                                                  group=group),
+                in_flight=staging.GLOO_IN_FLIGHT)
             return
         group, t, _ = self._group_for(tensor)
         if group is self._cpu_group and self._exchanges(t, op):
