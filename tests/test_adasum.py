@@ -618,7 +618,10 @@ def _hierarchical():
     r = hvd.rank()
     fused = hvd.grouped_allreduce(layers_for(r, seed=70), op=hvd.Adasum, name="h.fused")
     single = hvd.allreduce(torch.arange(11.0) * (r + 1) - r * 3, op=hvd.Adasum, name="h.one")
-    return fused, single, hvd.local_rank(), hvd.cross_rank()
+    # one element: the node's second rank has an empty part and must still join the node's
+    # sums of dot products
+    tiny = hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Adasum, name="h.tiny")
+    return fused, single, tiny, hvd.local_rank(), hvd.cross_rank()
 
 
 # Node numbers follow the lowest rank of each host; "b a b c a c" puts the cross communicators'
@@ -644,9 +647,12 @@ def test_hierarchical_adasum(backend, case):
     expected = ref_tree(node_average([layers_for(r, 70) for r in range(len(hosts))]), shapes)
     singles = [[torch.arange(11.0) * (r + 1) - r * 3] for r in range(len(hosts))]
     expected_single = ref_tree(node_average(singles), [torch.Size([11])])
-    for r, (fused, single, _, _) in enumerate(results):
+    tinies = [[torch.tensor([r + 1.0])] for r in range(len(hosts))]
+    expected_tiny = ref_tree(node_average(tinies), [torch.Size([1])])
+    for r, (fused, single, tiny, _, _) in enumerate(results):
         assert rel_err(fused, expected) < 1e-5, (r, rel_err(fused, expected))
         assert rel_err([single], expected_single) < 1e-5, r
+        assert rel_err([tiny], expected_tiny) < 1e-6, (r, tiny, expected_tiny)
     # a flat tree over all ranks is a different result: the check above can tell them apart
     flat = ref_tree([layers_for(r, 70) for r in range(len(hosts))], shapes)
     assert rel_err(flat, expected) > 1e-3

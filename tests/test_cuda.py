@@ -401,6 +401,34 @@ class TestTwoRanks:
         _two_ranks(body_amp, env)
 
 
+def body_hierarchical():
+    """The collectives and the registry ops (each with a hierarchical form of its own) at 2
+    nodes x 2, on the GPU and on the CPU; whether the hierarchy applied."""
+    from horovod_ext.engine import runtime
+    failures = body_collectives()
+    failures += body_registry_ops(["average", "sum", "adasum", "onebit", "powersgd"])
+    if not runtime.state.comms.topology.hierarchy_applies:
+        failures.append("the hierarchy did not apply")
+    return failures
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device: run tools/gpu_check.sh on a "
+                                         "GPU machine")
+def test_hierarchical_forms_on_four_ranks_staged():
+    """Two pretend nodes of two ranks on the machine's GPUs (shared where there are fewer than
+    four), staged through host memory, with the hierarchical allreduce and allgather: CUDA
+    tensors give the CPU tensors' results.  tests/test_staging.py runs the same staged paths
+    with CPU tensors everywhere."""
+    env = {"HOROVOD_GPU_OPERATIONS": "mpi", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+           "HOROVOD_HIERARCHICAL_ALLGATHER": "1"}
+    results = run_ranks(body_hierarchical, 4, "gloo", env=env, hostnames=["a", "a", "b", "b"],
+                        timeout=200)
+    for rank, failures in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures}"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA or not dist.is_nccl_available(),
                     reason="needs a CUDA device and NCCL: run tools/gpu_check.sh on a GPU machine")

@@ -410,6 +410,52 @@ def test_staged_chunks_over_gloo_are_in_flight_together():
         assert counts["most"] == staging.GLOO_IN_FLIGHT and counts["open"] == 0, counts
 
 
+def body_hierarchical_staged():
+    """At 2 nodes x 2 with the hierarchical allreduce and allgather on: the engine's allreduces
+    (Sum, Average, Min, Adasum, grouped) and allgather of staged tensors against the same
+    unstaged, and whether the hierarchy applied.  Shared memory off, as on GPUs, whose buffers
+    it does not take: the node's reduce-scatter and all-gather and the nodes' allreduce are
+    then calls of the local and cross communicators, each staged."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    staging.CHUNK_BYTES = 64
+    r = hvd.rank()
+    failures, takes = [], staging.stager().buffers.takes
+    for dtype in (torch.float32, torch.float16, torch.int64):
+        for numel in (1, 7, 300):
+            x = _sample(r, numel, dtype, numel, dtype != torch.float32)
+            calls = {"sum": lambda t, tag: hvd.allreduce(t, op=hvd.Sum, name=tag),
+                     "min": lambda t, tag: hvd.allreduce(t, op=hvd.Min, name=tag),
+                     "allgather": lambda t, tag: hvd.allgather(t[:r + 1], name=tag),
+                     "grouped": lambda t, tag: hvd.grouped_allreduce(
+                         [t, t[:1]], op=hvd.Sum, name=tag)[1]}
+            if dtype.is_floating_point:
+                calls["average"] = lambda t, tag: hvd.allreduce(t, op=hvd.Average, name=tag)
+                calls["adasum"] = lambda t, tag: hvd.allreduce(t, op=hvd.Adasum, name=tag)
+            for name, call in calls.items():
+                outs = []
+                for stage in (False, True):
+                    staging.STAGE_HOST_TENSORS = stage
+                    outs.append(call(x.clone(), f"{name}.{dtype}.{numel}.{stage}"))
+                staging.STAGE_HOST_TENSORS = False
+                if not torch.equal(_bits(outs[0]), _bits(outs[1])):
+                    failures.append(f"{name} {dtype} numel {numel}: staged differs")
+    return (failures, runtime.state.comms.topology.hierarchy_applies,
+            staging.stager().buffers.takes > takes)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hierarchical_staged_collectives_equal_unstaged(backend):
+    env = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLGATHER": "1",
+           "HOROVOD_SHARED_MEMORY": "0"}
+    results = run_ranks(body_hierarchical_staged, 4, backend, env=env,
+                        hostnames=["a", "a", "b", "b"], timeout=200)
+    for rank, (failures, hierarchical, staged) in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures[:10]}"
+        assert hierarchical and staged, (rank, hierarchical, staged)
+
+
 # --- on a GPU: the pinned, streamed path --------------------------------------------------------
 @pytest.mark.cuda
 @cuda_only
