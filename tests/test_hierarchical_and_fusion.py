@@ -37,6 +37,54 @@ def test_hierarchical_flag_changes_nothing_on_one_node():
     assert run_ranks(body_hierarchical, 2, "gloo", env=env) == [False] * 2
 
 
+def body_every_op_on_tiny_tensors():
+    """Every registry op on tensors of 0, 1 and 2 elements (fewer than a node has ranks: some
+    ranks' parts of the node's sum are empty), each the first call of its size class: the
+    failures, and the results of the ops that promise every rank the same one."""
+    import horovod_ext.torch as hvd
+    r, n = hvd.rank(), hvd.size()
+    ops = {"sum": hvd.Sum, "average": hvd.Average, "adasum": hvd.Adasum, "onebit": hvd.OneBit,
+           "randomk": hvd.RandomK(0.5), "powersgd": hvd.PowerSGD(rank=1),
+           "quantized": hvd.Quantized(bits=4)}
+    failures, same = [], {}
+    for numel in (0, 1, 2):
+        data = [sample(k, (numel,), torch.float32, numel) for k in range(n)]
+        for name, op in ops.items():
+            what = f"{name} of {numel} elements"
+            try:
+                out = hvd.allreduce(data[r], op=op, name=f"tiny.{name}.{numel}")
+            except Exception as exc:  # noqa: B902 - each failure is named, then the rest runs
+                failures.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")
+                if "stopped" in str(exc):
+                    break
+                continue
+            if out.shape != (numel,) or not bool(torch.isfinite(out).all()):
+                failures.append(f"{what}: {out}")
+            elif name in ("sum", "average"):
+                expected = reference(data, name).to(torch.float32)
+                if not torch.allclose(out, expected):
+                    failures.append(f"{what}: {out} against {expected}")
+            elif name != "randomk":   # random-k keeps this rank's values where not averaged
+                same[what] = out
+    return failures, same
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend,hosts,shm", [
+    ("gloo", "a a b b", "1"), ("gloo", "a b b c a c", "0"), ("mpi", "a a b b", "1")])
+def test_every_op_takes_empty_and_one_element_tensors_hierarchically(backend, hosts, shm):
+    """Before, at 2 x 2 an empty Sum failed in the shared-memory pipeline, an empty OneBit
+    found no segment, and a one-element Adasum hung until the timeout stopped the job."""
+    hosts = hosts.split()
+    results = run_ranks(body_every_op_on_tiny_tensors, len(hosts), backend, hostnames=hosts,
+                        env={"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_SHARED_MEMORY": shm},
+                        timeout=120)
+    for rank, (failures, same) in enumerate(results):
+        assert failures == [], f"rank {rank}: {failures}"
+        for what, out in same.items():
+            assert torch.equal(out, results[0][1][what]), f"rank {rank}, {what}: {out}"
+
+
 def body_custom_cross_step():
     """A user op: Sum whose cross-node step is supplied by the op and records what it saw."""
     import horovod_ext.torch as hvd

@@ -66,8 +66,9 @@ class SharedMemoryGroup:
 
     # --- the segment --------------------------------------------------------------------------
     def _ensure(self, nbytes: int):
-        """Collective over the local ranks (they all reduce buffers of the same size)."""
-        if nbytes <= self._capacity:
+        """Collective over the local ranks (they all reduce buffers of the same size).  The
+        first call makes the segment even for an empty buffer: its counters are the phases'."""
+        if self._mm is not None and nbytes <= self._capacity:
             return
         # whole MiB, and no more: every page is reserved up front (_create)
         capacity = -(-max(nbytes, 1) // _MIB) * _MIB
@@ -107,8 +108,7 @@ class SharedMemoryGroup:
 
     def _release(self):
         if self._mm is not None:
-            self._slots, self._counters, self._pids = [], None, None
-            self._slot_addresses = []
+            self._slots, self._slot_addresses, self._counters, self._pids = [], [], None, None
             try:
                 self._mm.close()
             except BufferError:  # a tensor still views it: the mapping goes with that tensor
@@ -333,7 +333,7 @@ class SharedMemoryGroup:
                 reduce_chunk(*chunks[index])
                 if index >= lag:
                     gather_chunk(index - lag)
-            if lag:
+            if lag and chunks:       # an empty buffer has no chunks
                 gather_chunk(len(chunks) - 1)
         finally:
             for future in pending:   # nothing may still write into the slot after a failure
