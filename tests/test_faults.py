@@ -136,11 +136,15 @@ def test_a_refusal_made_alike_on_every_rank_fails_only_its_request():
         assert "stopped" in following, following
 
 
-def body_rank_stops_mid_collective(heartbeat_s):
+def body_rank_stops_mid_collective(heartbeat_s, staged=False):
     """Rank 1 stops (SIGSTOP) inside an op, after rank 0 has entered the collective: rank 0 is
-    left waiting in a transfer for it, with a minute's timeout."""
+    left waiting in a transfer for it, with a minute's timeout.  ``staged``: the tensor goes
+    through host memory in 16 chunks, several in flight (staging.py); rank 0 then also says
+    whether the host buffer of the failed call was kept for reuse."""
     import horovod_ext.torch as hvd
+    from horovod_ext.backends import staging
     from horovod_ext.ops import Op
+    staging.CHUNK_BYTES, staging.STAGE_HOST_TENSORS = 1024, staged
 
     class StopsOnRankOne(Op):
         name = "test_stops_on_rank_one"
@@ -152,12 +156,30 @@ def body_rank_stops_mid_collective(heartbeat_s):
 
     op = hvd.register_op(StopsOnRankOne())
     hvd.allreduce(torch.ones(4), op=hvd.Sum, name="before")
+    buffers = staging.stager().buffers
+    kept = buffers.idle
     start = time.monotonic()
     try:
         hvd.allreduce(torch.ones(1 << 12), op=op, name="stalled")
         return None
     except hvd.HorovodInternalError as exc:
-        return str(exc), time.monotonic() - start
+        return str(exc), time.monotonic() - start, buffers.idle - kept, len(buffers._lent)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_during_a_staged_allreduce_is_reported_and_its_buffer_dropped():
+    """Staged through host memory over Gloo, chunks in flight: the peer is named within two
+    heartbeats as unstaged, and the host buffer the chunks' collectives may still write into
+    is never lent again."""
+    beat = 1.0
+    env = {"HOROVOD_HEARTBEAT_SECONDS": str(beat), "HOROVOD_COMM_TIMEOUT_SECONDS": "60",
+           "HOROVOD_SHARED_MEMORY": "0"}
+    failure = run_ranks(body_rank_stops_mid_collective, 2, "gloo", args=(beat, True), env=env,
+                        expect_failure=True, timeout=50, settle_on=[0])
+    message, took, idle, lent = failure.results[0]
+    assert "rank 1" in message and "has stopped answering" in message, message
+    assert took < 2 * beat + 1.0, took
+    assert (idle, lent) == (0, 0), f"{idle} more buffers kept, {lent} lent after the failure"
 
 
 @pytest.mark.timeout(120)
@@ -176,7 +198,7 @@ def test_stopped_rank_is_reported_within_two_heartbeats(backend):
         assert "aborting the job" in failure.output, failure.output
         assert time.monotonic() - start < 30
         return
-    message, took = failure.results[0]
+    message, took, _, _ = failure.results[0]
     assert "rank 1" in message and "has stopped answering" in message, message
     assert "HOROVOD_HEARTBEAT_SECONDS=1" in message, message
     assert took < 2 * beat + 1.0, took
