@@ -136,7 +136,7 @@ say "CUDA device: $cuda"
 
 step build 40 build
 if "$py" -c "import pytest" 2> /dev/null; then
-  step cuda_tests 150 "$py" -m pytest -p no:cacheprovider -ra -m cuda tests/test_cuda.py \
+  step cuda_tests 200 "$py" -m pytest -p no:cacheprovider -ra -m cuda tests/test_cuda.py \
     --junitxml="$out/cuda_tests.xml"
   step api_tests 75 "$py" -m pytest -p no:cacheprovider -ra -k "not mpi" \
     tests/test_collectives.py tests/test_optimizer.py tests/test_devices.py \
