@@ -213,6 +213,51 @@ def test_a_segment_larger_than_its_file_system_fails_clearly_on_every_rank(tmp_p
         assert seconds < 20, seconds
 
 
+def body_room_at_start(directory: str):
+    """Shared memory in ``directory`` (8 MiB), from before hvd.init(): Sum and Adasum of 1 MiB
+    and of 16 MiB; (results right, the segment's capacity after each size, the room agreed)."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends import shm
+    from horovod_ext.engine import runtime
+    shm.SEGMENT_DIR = directory
+    hvd.init()
+    topology = runtime.state.comms.topology
+    right, capacity = [], []
+    for numel in (1 << 18, 4 << 20):
+        x = torch.full((numel,), float(hvd.rank() + 1))
+        right.append(torch.equal(hvd.allreduce(x, op=hvd.Sum, name=f"s{numel}"),
+                                 torch.full((numel,), 3.0)))
+        # parallel vectors: Adasum gives their mean
+        right.append(torch.allclose(hvd.allreduce(x, op=hvd.Adasum, name=f"a{numel}"),
+                                    torch.full((numel,), 1.5)))
+        capacity.append(topology._in_node._capacity if topology._in_node else 0)
+    return right, capacity, topology.shared_memory_room
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_buffers_too_large_for_the_room_at_start_go_through_the_transport(tmp_path):
+    """A /dev/shm too small for a buffer's segment (a container's 64 MiB, say) no longer stops
+    the job: the local ranks agree at start-up on the room each slot may have, and larger
+    buffers are reduced through the transport, with a warning naming the fix."""
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(directory)],
+                   check=True, timeout=20)
+    try:
+        results, output = run_ranks(body_room_at_start, 2, "gloo", args=(str(directory),),
+                                    init=False, with_output=True, timeout=50)
+    finally:
+        subprocess.run(["umount", str(directory)], check=True, timeout=20)
+    for right, capacity, room in results:
+        assert right == [True] * 4, right
+        assert room == 3 << 20, room            # (8 MiB - the header) / 2, in whole MiB
+        # 1 MiB and Adasum's tables beside it: 2 MiB; the 16 MiB calls did not grow it
+        assert capacity == [2 << 20, 2 << 20], f"the segment's capacity: {capacity}"
+    assert output.count("does not fit the in-node shared memory") == 1, output[-2000:]
+    assert "--shm-size" in output
+
+
 def body_local_rank_dies():
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime

@@ -40,22 +40,25 @@ class Collectives:
         in, none of its own shard out), None otherwise.  Collective over the local ranks, as
         the reduction that follows is."""
         empty = torch.empty(0, dtype=dtype)
-        if not (self.hierarchical or self._single_node(numel * empty.element_size())):
+        nbytes = numel * empty.element_size()
+        if not (self.hierarchical or self._single_node(nbytes)):
             return None
         if self.world.stages(empty):
             # a staged buffer's chunks go through the slot themselves (_staged_in_node): the
             # buffer there would be overwritten before it is read
             return None
-        in_node = self.topology.in_node(empty)
+        in_node = self.topology.in_node(empty, nbytes)
         return None if in_node is None else in_node.buffer(numel, dtype)
 
-    def _single_node(self, nbytes: int) -> bool:
+    def _single_node(self, nbytes: int, slot_bytes: Optional[int] = None) -> bool:
         """Whether a whole elementwise allreduce of ``nbytes`` goes through shared memory: every
-        rank is on this host, which allows it, and the buffer is large enough for that to beat
-        the world communicator (its ``shared_memory_from_bytes``)."""
+        rank is on this host, which allows it, the buffer is large enough for that to beat the
+        world communicator (its ``shared_memory_from_bytes``) and its slot (``slot_bytes``,
+        by default ``nbytes``) fits the room the local ranks agreed on."""
         t = self.topology
         return (t.num_nodes == 1 and t.local_size > 1 and t.shared_memory and shm.available()
-                and nbytes >= self.world.shared_memory_from_bytes)
+                and nbytes >= self.world.shared_memory_from_bytes
+                and t.fits_in_node(nbytes if slot_bytes is None else slot_bytes))
 
     def single_host_group(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
         """The shared-memory group of all ranks when every one is on this host, the host
@@ -75,10 +78,12 @@ class Collectives:
         this host and the world communicator would stage the buffer through host memory (a
         GPU buffer without NCCL or a CUDA-aware MPI); else None.  The same answer on every
         rank: it follows from the topology, the size and the kind of buffer."""
+        nbytes = buffer.numel() * buffer.element_size()
+        chunk = min(nbytes, staging.CHUNK_BYTES)     # what the slot holds: one staged chunk
         if (self.hierarchical or not self.world.stages(buffer)
-                or not self._single_node(buffer.numel() * buffer.element_size())):
+                or not self._single_node(nbytes, chunk)):
             return None
-        return self.topology.in_node(torch.empty(0, dtype=buffer.dtype))
+        return self.topology.in_node(torch.empty(0, dtype=buffer.dtype), chunk)
 
     def reduces_on_world(self, buffer: torch.Tensor) -> bool:
         """Whether an elementwise allreduce of ``buffer`` is one plain call of the world

@@ -18,23 +18,21 @@ Counters are plain int64 stores into the mapping, written after the data they pu
 total store order makes the data visible first (this module is not used on other CPUs).
 """
 import ctypes
-import errno
 import math
 import mmap
 import os
 import platform
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from . import shm_files
 from .base import CommunicationError, Communicator, ReduceOp, split_sizes
 
-_LINE = 64                        # one counter per cache line
-_MIB = 1 << 20                    # a segment's slots are whole MiB
+_LINE = shm_files.LINE
 _SPIN_S = 50e-6                   # busy-poll this long,
 _YIELD_S = 2e-3                   # then give the core to other runnable processes this long,
 _NAP_S = 20e-6                    # then nap between polls
@@ -70,12 +68,14 @@ class SharedMemoryGroup:
         first call makes the segment even for an empty buffer: its counters are the phases'."""
         if self._mm is not None and nbytes <= self._capacity:
             return
-        # whole MiB, and no more: every page is reserved up front (_create)
-        capacity = -(-max(nbytes, 1) // _MIB) * _MIB
-        header = 2 * self.size * _LINE
+        if self._mm is not None:   # its pages go back before a larger segment takes room
+            self._release()
+            self.comm.barrier()
+        capacity, header = shm_files.slot_bytes(nbytes), shm_files.header_bytes(self.size)
         name = failure = None
         if self.rank == 0:
-            name, failure = _create(header + capacity * self.size, self.size, capacity)
+            name, failure = shm_files.create(SEGMENT_DIR, header + capacity * self.size,
+                                             self.size, capacity)
         name, failure = self.comm.broadcast_object((name, failure), root=0)
         if failure is not None:
             raise CommunicationError(failure)
@@ -89,7 +89,6 @@ class SharedMemoryGroup:
             self.comm.barrier()       # everyone has mapped it (or failed): the name can go
             if self.rank == 0:
                 os.unlink(name)
-        self._release()
         self._mm, self._capacity, self._header, self._phase = mm, capacity, header, 0
         words = np.frombuffer(mm, dtype=np.int64, count=header // 8)
         self._counters = words[0:self.size * _LINE // 8:_LINE // 8]
@@ -153,7 +152,7 @@ class SharedMemoryGroup:
         if self._aborted is not None:
             raise CommunicationError(f"shared-memory {what} abandoned: {self._aborted}")
         for k in range(self.size):
-            if self._counters[k] < target and not _alive(int(self._pids[k])):
+            if self._counters[k] < target and not shm_files.alive(int(self._pids[k])):
                 raise CommunicationError(
                     f"shared-memory {what}: local rank {k} (pid {int(self._pids[k])}) has "
                     f"died (seen by local rank {self.rank})")
@@ -342,44 +341,6 @@ class SharedMemoryGroup:
         # Nobody may refill its slot (the next call) before every rank has read it.
         self._arrive_and_wait("all-gather")
         return flat
-
-
-def _create(size: int, ranks: int, capacity: int) -> Tuple[Optional[str], Optional[str]]:
-    """A new segment file of ``size`` bytes, its pages reserved: (its path, None), or (None, why
-    it cannot be made).  tmpfs hands out a page at its first write, and a write past the
-    file system's size kills the writer with SIGBUS, with no word of why; reserved up front,
-    a segment that does not fit fails here, on every local rank alike, with what to change."""
-    name = os.path.join(SEGMENT_DIR, f"horovod_ext-{os.getpid()}-{uuid.uuid4().hex}")
-    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
-            return name, None        # a file system that cannot reserve: pages as written
-        os.unlink(name)
-        stat = os.statvfs(SEGMENT_DIR)
-        return None, (f"the in-node shared-memory segment needs {size / _MIB:.0f} MiB "
-                      f"({ranks} local ranks x {capacity / _MIB:.0f} MiB) and {SEGMENT_DIR} "
-                      f"has {stat.f_bavail * stat.f_frsize / _MIB:.0f} MiB free "
-                      f"({os.strerror(exc.errno)}): give {SEGMENT_DIR} more room (docker run "
-                      f"--shm-size=..., or --ipc=host), or set HOROVOD_SHARED_MEMORY=0 to "
-                      f"reduce through the transport instead")
-    finally:
-        os.close(fd)
-    return name, None
-
-
-def _alive(pid: int) -> bool:
-    """False once ``pid`` has exited, zombie included (its parent may not have reaped it)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        return True   # cannot tell: the timeout still applies
 
 
 def _reduce_into(out: torch.Tensor, mine: torch.Tensor, others: List[torch.Tensor],

@@ -4,16 +4,21 @@ Hosts are told apart by host name (HOROVOD_HOSTNAME overrides it); nodes are num
 order of their lowest rank, and local ranks follow global rank order inside a node.  The in-node
 steps of hierarchical algorithms (``node_reduce_scatter``, ``node_allgather``,
 ``node_allgather_rows``) go through shared memory (shm.py) once the runtime has allowed it, over
-the local communicator otherwise.
+the local communicator otherwise, and so does a buffer whose slot would not fit the room the
+segment's directory left when the runtime allowed shared memory (``allow_shared_memory``).
 """
+import logging
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import FrozenSet, List, Optional, Sequence
 
 import torch
 
-from . import shm
+from . import shm, shm_files
 from .base import Communicator, ReduceOp, split_sizes
+
+log = logging.getLogger("horovod_ext")
 
 
 def _layout(hostnames: Sequence[str]):
@@ -56,7 +61,10 @@ class Topology:
     # set by the runtime: whether the in-node steps may use shared memory, and their timeout
     shared_memory: bool = False
     timeout: float = 60.0
+    # the largest slot the segment may have, as the local ranks agreed (None: no limit)
+    shared_memory_room: Optional[int] = None
     _in_node: Optional[shm.SharedMemoryGroup] = field(default=None, repr=False)
+    _said_too_large: bool = field(default=False, repr=False)
     # communicators made over these ranks later (backends/lane.py), aborted and closed with them
     _attached: List[Communicator] = field(default_factory=list, repr=False)
 
@@ -137,16 +145,47 @@ class Topology:
                    is_homogeneous=len({len(g) for g in local_groups}) == 1)
 
     # --- in-node steps of hierarchical algorithms ------------------------------------------
-    def in_node(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
+    def allow_shared_memory(self, allowed: bool, timeout: float) -> None:
+        """Whether the in-node steps may use shared memory (HOROVOD_SHARED_MEMORY), their
+        timeout, and the room a slot may have: local rank 0's reading of what the segment's
+        directory leaves each local rank now, so that every local rank takes the same buffers
+        through it.  Collective over the local ranks."""
+        self.shared_memory, self.timeout = allowed, timeout
+        if allowed and self.local_size > 1 and shm.available():
+            room = (shm_files.room_per_rank(shm.SEGMENT_DIR, self.local_size)
+                    if self.local_rank == 0 else None)
+            self.shared_memory_room = self.local.broadcast_object(room, root=0)
+
+    def in_node(self, buffer: torch.Tensor,
+                nbytes: Optional[int] = None) -> Optional[shm.SharedMemoryGroup]:
         """The shared-memory group of this node's ranks for ``buffer``, or None (the local
-        communicator then carries the in-node steps).  Made at first use: a collective step
-        of the local ranks, which reach it with the same buffer."""
+        communicator then carries the in-node steps); ``nbytes``: the most any local rank
+        puts in its slot, where that is not ``buffer``'s size.  Made at first use: a
+        collective step of the local ranks, which reach it with the same buffer."""
         if (not self.shared_memory or self.local_size < 2 or not shm.available()
-                or not shm.usable_for(buffer)):
+                or not shm.usable_for(buffer)
+                or not self.fits_in_node(buffer.numel() * buffer.element_size() if nbytes is None
+                                  else nbytes)):
             return None
         if self._in_node is None:
             self._in_node = shm.SharedMemoryGroup(self.local, self.timeout)
         return self._in_node
+
+    def fits_in_node(self, nbytes: int) -> bool:
+        """Whether a slot for ``nbytes`` fits the agreed room, with a MiB to spare for the
+        tables some steps keep beside the buffer (in-node Adasum's); says so once where not."""
+        room = self.shared_memory_room
+        if room is None or shm_files.slot_bytes(nbytes) + shm_files.MIB <= room:
+            return True
+        if not self._said_too_large and self.local_rank == 0:
+            log.warning(
+                "horovod_ext: a buffer of %.0f MiB does not fit the in-node shared memory "
+                "(%s left %.0f MiB for each of %d local ranks at start-up); such buffers "
+                "are reduced through the transport, more slowly: give %s more room (docker run "
+                "--shm-size=..., or --ipc=host)", nbytes / shm_files.MIB, shm.SEGMENT_DIR,
+                room / shm_files.MIB, self.local_size, shm.SEGMENT_DIR)
+        self._said_too_large = True
+        return False
 
     def node_reduce_scatter(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM
                             ) -> torch.Tensor:
@@ -174,7 +213,9 @@ class Topology:
 
     def node_allgather_rows(self, tensor: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Every local rank's ``tensor`` (``counts``: rows per local rank) along dim 0."""
-        in_node = self.in_node(tensor.reshape(-1)) if tensor.is_contiguous() else None
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()   # alike on all
+        in_node = (self.in_node(tensor.reshape(-1), max(counts) * row_bytes)
+                   if tensor.is_contiguous() else None)
         if in_node is not None:
             return in_node.allgather_rows(tensor, list(counts))
         return self.local.allgather(tensor, counts)

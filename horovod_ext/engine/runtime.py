@@ -220,7 +220,7 @@ def _start_engine(topology: Topology, transport: str, config: Config, set_id: in
     """(control plane, collectives, engine) over ``topology``'s communicators, for process set
     ``set_id``."""
     control = _control_channel(transport, topology.world, config)
-    topology.shared_memory, topology.timeout = config.shared_memory, config.timeout_s
+    topology.allow_shared_memory(config.shared_memory, config.timeout_s)
     comms = Collectives(topology, config.hierarchical_allreduce, config.hierarchical_allgather,
                         config.hierarchical_chunk_bytes)
     engine = Engine(comms, control, config)
