@@ -162,10 +162,9 @@ class Topology:
         communicator then carries the in-node steps); ``nbytes``: the most any local rank
         puts in its slot, where that is not ``buffer``'s size.  Made at first use: a
         collective step of the local ranks, which reach it with the same buffer."""
+        size = buffer.numel() * buffer.element_size() if nbytes is None else nbytes
         if (not self.shared_memory or self.local_size < 2 or not shm.available()
-                or not shm.usable_for(buffer)
-                or not self.fits_in_node(buffer.numel() * buffer.element_size() if nbytes is None
-                                  else nbytes)):
+                or not shm.usable_for(buffer) or not self.fits_in_node(size)):
             return None
         if self._in_node is None:
             self._in_node = shm.SharedMemoryGroup(self.local, self.timeout)
