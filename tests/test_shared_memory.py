@@ -258,6 +258,59 @@ def test_buffers_too_large_for_the_room_at_start_go_through_the_transport(tmp_pa
     assert "--shm-size" in output
 
 
+def body_lane_beside_a_small_room(directory: str):
+    """Shared memory in ``directory`` (8 MiB) from before hvd.init(), the bucket lane on: 8
+    steps of a model whose 4 MiB layer makes a bucket too large for the room; (the largest
+    difference from the plain optimizer on the ranks' summed gradients, lane sums)."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends import shm
+    shm.SEGMENT_DIR = directory
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+                                torch.nn.Linear(1024, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh(),
+                              torch.nn.Linear(1024, 2))
+    ref.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def batch(step, k):
+        return torch.randn(4, 1024, generator=torch.Generator().manual_seed(10 * step + k))
+    for step in range(8):
+        opt.zero_grad()
+        model(batch(step, r)).pow(2).mean().backward()
+        opt.step()
+        ref_opt.zero_grad()
+        sum(ref(batch(step, k)).pow(2).mean() for k in range(n)).div(n).backward()
+        ref_opt.step()
+    err = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return err, opt._hvd.lane.sums
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_bucket_too_large_for_the_room_takes_the_lane(tmp_path):
+    """On one host the engine's way sums buckets through shared memory, which keeps the lane
+    off; a bucket too large for the room the local ranks agreed on is one call of the world
+    communicator instead, so the lane takes it, and the steps stay the plain optimizer's."""
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(directory)],
+                   check=True, timeout=20)
+    env = {"HOROVOD_BUCKET_LANE": "1", "HOROVOD_GRADIENT_BUCKET_PLAN": "size"}
+    try:
+        results = run_ranks(body_lane_beside_a_small_room, 2, "gloo", args=(str(directory),),
+                            init=False, env=env, timeout=70)
+    finally:
+        subprocess.run(["umount", str(directory)], check=True, timeout=20)
+    for err, sums in results:
+        assert err < 1e-5, err
+        assert sums > 0, "no bucket went on the lane"
+
+
 def body_local_rank_dies():
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime
