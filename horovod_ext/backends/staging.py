@@ -13,8 +13,8 @@ synchronous copies through the driver's bounce buffer, neither overlapping the t
   back on a second side stream while the next one is reduced.  Where the transport starts a
   chunk's collective without waiting for it (Gloo), several chunks are in flight at once
   (``GLOO_IN_FLIGHT``): one after the other, each chunk pays the collective's round trips
-  again (over Gloo at np=2, 16 chunks of 4 MiB took 1.3-1.4x one call of 64 MiB; with three
-  in flight, 1.0-1.1x; ``benchmarks/staging.py``).  A staged allreduce then costs about the
+  again (over Gloo at np=2, 16 chunks of 4 MiB took 1.2-1.4x one call of 64 MiB; with three
+  in flight, 0.9-1.1x; ``benchmarks/staging.py``).  A staged allreduce then costs about the
   collective plus one chunk's two copies.  Chunking is valid for the elementwise
   reductions only (Sum, Min, Max, Product; Average is a Sum divided afterwards), and every rank
   cuts the same chunks: they follow from the element count, the dtype and ``CHUNK_BYTES``,
