@@ -106,13 +106,12 @@ class Collectives:
 
     def reduce(self, buffer: torch.Tensor, step: Step, node_average: bool = True,
                share: Optional[Tuple[int, int]] = None,
-               activity: str = "CROSS_STEP", step_calls_node: bool = False) -> torch.Tensor:
+               activity: str = "CROSS_STEP") -> torch.Tensor:
         """An op's own reduction of ``buffer`` over every rank: ``step`` on the whole buffer
         among all ranks, or (hierarchical) on this rank's part of the node's sum (average with
-        ``node_average``) among the nodes (``backends.hierarchy``, which says when
-        ``step_calls_node``); in place, returns it."""
+        ``node_average``) among the nodes (``backends.hierarchy``); in place, returns it."""
         return run_step(buffer.view(-1), self.topology, step, self.hierarchical,
-                        node_average, share, activity, step_calls_node).view_as(buffer)
+                        node_average, share, activity).view_as(buffer)
 
     def allreduce(self, buffer: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                   cross_step: Optional[CrossStep] = None) -> torch.Tensor:

@@ -42,8 +42,7 @@ def node_transport(topology: Topology, tensor: torch.Tensor) -> str:
 def hierarchical_(flat: torch.Tensor, topology: Topology, step: Step,
                   op: ReduceOp = ReduceOp.SUM, node_average: bool = False,
                   share: Optional[Tuple[int, int]] = None,
-                  activity: Optional[str] = "CROSS_STEP",
-                  step_calls_node: bool = False) -> torch.Tensor:
+                  activity: Optional[str] = "CROSS_STEP") -> torch.Tensor:
     """Reduce the 1-D ``flat`` inside the node with ``op`` (divided by the ranks of the node
     with ``node_average``), run ``step`` across nodes on this rank's part, and give every rank
     of the node every part; in place, returns ``flat``.
@@ -52,10 +51,10 @@ def hierarchical_(flat: torch.Tensor, topology: Topology, step: Step,
     (start, end) makes this rank's part that range instead, for steps that need whole layers
     (PowerSGD's matrices): the node then reduces the whole buffer and joins the parts by a
     second sum.  ``activity`` names the step on the timeline (None: the step records
-    itself).  A rank whose part is empty (fewer elements than the node has ranks) skips the
-    step, unless ``step_calls_node``: a step that makes collective calls among the node's ranks
-    (Adasum sums its dot products over them) runs on every rank, so that none waits for a rank
-    that skipped it."""
+    itself).  Every rank runs the step, on an empty part too (a buffer with fewer elements
+    than the node has ranks): a step may make collective calls among the node's ranks (Adasum
+    sums its dot products over them), which a rank that skipped it would leave waiting, and
+    the ranks of one cross communicator share a local rank, hence the same part's size."""
     node = node_transport(topology, flat) if trace.recorder is not None else ""
     if share is None:
         counts = split_sizes(flat.numel(), topology.local_size)
@@ -69,12 +68,11 @@ def hierarchical_(flat: torch.Tensor, topology: Topology, step: Step,
         part = flat[share[0]:share[1]]
     if node_average:
         part.div_(topology.local_size)
-    if part.numel() or step_calls_node:
-        with (trace.activity(activity, trace.nbytes_of(part)) if activity
-              else contextlib.nullcontext()):
-            out = step(part, Span(topology.cross, offset, topology))
-        if out.data_ptr() != part.data_ptr():
-            part.copy_(out)
+    with (trace.activity(activity, trace.nbytes_of(part)) if activity
+          else contextlib.nullcontext()):
+        out = step(part, Span(topology.cross, offset, topology))
+    if out.data_ptr() != part.data_ptr():
+        part.copy_(out)
     if share is None:
         with trace.activity(f"{node}_NODE_ALLGATHER", trace.nbytes_of(flat)):
             topology.node_allgather(flat, part)
@@ -88,12 +86,12 @@ def hierarchical_(flat: torch.Tensor, topology: Topology, step: Step,
 
 def run_step(flat: torch.Tensor, topology: Topology, step: Step, hierarchical: bool,
              node_average: bool = True, share: Optional[Tuple[int, int]] = None,
-             activity: str = "CROSS_STEP", step_calls_node: bool = False) -> torch.Tensor:
+             activity: str = "CROSS_STEP") -> torch.Tensor:
     """``step`` over the whole world: on all of ``flat`` among every rank (flat), or through
     ``hierarchical_`` when ``hierarchical`` (asked for, and the topology allows it); in
     place."""
     if hierarchical:
         return hierarchical_(flat, topology, step, node_average=node_average, share=share,
-                             activity=activity, step_calls_node=step_calls_node)
+                             activity=activity)
     out = step(flat, Span(topology.world, 0, topology))
     return flat if out.data_ptr() == flat.data_ptr() else flat.copy_(out)

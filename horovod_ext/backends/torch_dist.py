@@ -119,7 +119,7 @@ class TorchCommunicator(Communicator):
 
     def _call(self, collective, *args, group, **kwargs):
         """``collective(*args, group=group, **kwargs)``, waited for by ``_wait``."""
-        self._wait(collective(*args, group=group, async_op=True, **kwargs), group)
+        self._start(collective, *args, group=group, **kwargs)()
 
     def _start(self, collective, *args, group, **kwargs):
         """``collective(*args, group=group, **kwargs)`` started; returns what waits for it

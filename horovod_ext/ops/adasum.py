@@ -52,9 +52,7 @@ class AdasumOp(Op):
                                      extra_reduce=topology.local.allreduce, offset=span.offset,
                                      remote=range(span.comm.size))
 
-        # the hierarchical step sums dot products over the node: every rank runs it
-        return comms.reduce(buffer, step, node_average=True, activity="ADASUM_CROSS",
-                            step_calls_node=True)
+        return comms.reduce(buffer, step, node_average=True, activity="ADASUM_CROSS")
 
     def wants_delta(self, optimizer) -> bool:
         """Delta mode unless the optimizer is stateless SGD (no momentum)."""
