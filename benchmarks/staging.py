@@ -51,9 +51,9 @@ def worker(args):
     default_in_flight = staging.GLOO_IN_FLIGHT
     sizes = {}
     for size in args.sizes:
-        cpu = torch.ones(size // 4)
+        # zeros: repeated sums leave them as they are (ones doubled each call, up to inf)
+        cpu = torch.zeros(size // 4)
         staged = cpu.cuda() if on_gpu else cpu.clone()
-        per = staging.CHUNK_BYTES // 4
 
         def plain():
             hvd.allreduce_(cpu, op=hvd.Sum, name="bench.staging.cpu")
@@ -72,8 +72,8 @@ def worker(args):
         def chunks_with(depth):
             def call():
                 waits = []
-                for start in range(0, cpu.numel(), per):
-                    waits.append(world._start(dist.all_reduce, cpu[start:start + per],
+                for start, stop in staging.chunk_bounds(cpu.numel(), cpu.dtype):
+                    waits.append(world._start(dist.all_reduce, cpu[start:stop],
                                               group=world._cpu_group))
                     if len(waits) >= depth:
                         waits.pop(0)()
