@@ -359,3 +359,38 @@ def test_a_late_rank_is_named_at_the_stall_check_time(late, disabled):
     else:
         assert len(warned) == 1, warned
         assert f"waited 1 s for rank {late}, which had not started it" in warned[0], warned
+
+
+def body_lane_pair_sums():
+    """Sums of several sizes and dtypes started together on a two-rank lane, then waited for
+    in order; returns, per sum, whether it went by exchange, and whether it equals a Gloo
+    all_reduce of the same values bitwise."""
+    import torch.distributed as dist
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends import lane, pair_exchange
+    from horovod_ext.engine import runtime
+    r = hvd.rank()
+    the_lane = lane.open_lane(runtime.topology(), None)
+    plain = dist.new_group([0, 1], backend="gloo")
+    sizes = [(0, torch.float32), (1, torch.float32), (1000, torch.float16),
+             (3000, torch.bfloat16), (1 << 18, torch.float32),        # 1 MiB: by exchange
+             ((1 << 18) + 1, torch.float32), (5, torch.float64)]     # one float more: ring
+    made = [torch.randn(n, generator=torch.Generator().manual_seed(10 * r + i)).to(dtype)
+            for i, (n, dtype) in enumerate(sizes)]
+    wanted = [t.clone() for t in made]
+    sums = [the_lane.start(t) for t in made]
+    for w in wanted:
+        dist.all_reduce(w, group=plain)
+    for s in sums:
+        s.wait()
+    return [(isinstance(s._work, pair_exchange.SumInFlight), torch.equal(t, w))
+            for s, t, w in zip(sums, made, wanted)]
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_sum_small_buckets_on_the_lane_by_exchange():
+    """Up to 1 MiB by one exchange of whole buffers, larger ones on Gloo's ring, all in flight
+    together, each the bits of the world's all_reduce."""
+    for result in run_ranks(body_lane_pair_sums, 2, "gloo", env={"HOROVOD_SHARED_MEMORY": "0"},
+                            hostnames=["a", "b"]):
+        assert result == [(True, True)] * 5 + [(False, True), (True, True)], result

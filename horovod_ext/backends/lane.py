@@ -10,6 +10,14 @@ matched by their order in the lane's own group, so they never mix with the engin
 the world's group.  The lane is made collectively, belongs to the topology of one ``hvd.init()``
 (aborted and closed with it), and is waited for in slices, so that a peer's failure ends a wait
 at once (liveness.py aborts it) and a silent peer ends it at ``LANE_TIMEOUT``.
+
+Two ranks sum a bucket that their pair exchange takes (up to 1 MiB on a near pair, 64 MiB on a
+far one) by exchanging whole buffers, as the engine's Gloo sums do (pair_exchange.py), rather than
+on Gloo's ring, whose two steps cost two round trips; both give the same bits.  Over the lab's
+100 Mbit/s link with 20 ms more round trip, 2 hosts x 1 rank, that took the CNN's step from
+0.98-1.02x DDP's to 0.88-0.89x and the MLP's from 1.00x to 0.97x (``benchmarks/ddp_parity.py``,
+docs/benchmarks/ddp_parity.md); on loopback and at 1 Gbit/s it changed nothing those runs could
+tell apart.
 """
 import datetime
 import logging
@@ -57,6 +65,10 @@ def open_lane(topology: Topology, warn_after_s: Optional[float],
                              None, LANE_TIMEOUT)
     comm._owns_groups = True
     topology.attach(comm)
+    if comm.pair is not None:
+        if len(set(topology.hostnames)) == 1:
+            comm.pair.on_one_host()
+        comm.pair.decide()   # collective now, rather than inside the first step's backward
     return Lane(comm, warn_after_s, watch)
 
 
@@ -73,12 +85,19 @@ class Lane:
         """Start summing ``tensor`` (a contiguous host tensor) over the world, in place; on a
         recording timeline, a GLOO_ALLREDUCE on ``track`` from now until the sum is done."""
         number = self.watch.advance() if self.watch is not None else 0
-        work = dist.all_reduce(tensor, group=self.comm._cpu_group, async_op=True)
+        pair = self.comm.pair
+        by_exchange = pair is not None and pair.takes(tensor)
+        if by_exchange:
+            work = pair.start(tensor)
+        else:
+            work = dist.all_reduce(tensor, group=self.comm._cpu_group, async_op=True)
         if track is not None and trace.recorder is not None:
-            # ended by Gloo's thread when the sum completes, not when the step waits for it
             span = trace.transfer(self.comm, "ALLREDUCE", tensor, tracks=(track,))
             span.__enter__()
-            work.get_future().add_done_callback(lambda _: span.__exit__(None, None, None))
+            if by_exchange:   # the wait that adds the peer's buffer ends it
+                work.add_done_callback(lambda: span.__exit__(None, None, None))
+            else:   # Gloo's thread ends it when the sum completes, not when the step waits
+                work.get_future().add_done_callback(lambda _: span.__exit__(None, None, None))
         return LaneSum(self, work, number)
 
 

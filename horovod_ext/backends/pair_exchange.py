@@ -13,7 +13,11 @@ loopback and a LAN well under a millisecond) buffers up to ``FAR_MAX_BYTES`` (tw
 are near without timing): the exchange holds the peer's whole buffer beside this rank's, and a
 fusion buffer is at most 64 MiB unless the user raises HOROVOD_FUSION_THRESHOLD; beyond that, one
 round trip more is little against the transfer.
+
+A sum can also be started and waited for later (``start``), as a bucket lane's are (lane.py):
+the exchange runs while the caller goes on, and the addition is made by the wait.
 """
+import datetime
 import time
 
 import torch
@@ -39,12 +43,17 @@ class PairExchange:
         even on loopback."""
         self.max_bytes = NEAR_MAX_BYTES
 
-    def takes(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is summed by exchange; the first call decides for the pair (both ranks
-        make it at the same sum, as every collective is made in the same order)."""
+    def decide(self) -> None:
+        """Tell a near pair from a far one, unless that is known: collective (both ranks call
+        it at the same point)."""
         if self.max_bytes is None:
             self.probe_s = self._probe()
             self.max_bytes = FAR_MAX_BYTES if self.probe_s >= FAR_EXCHANGE_S else NEAR_MAX_BYTES
+
+    def takes(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is summed by exchange; the first call decides for the pair (both ranks
+        make it at the same sum, as every collective is made in the same order)."""
+        self.decide()
         return t.numel() * t.element_size() <= self.max_bytes
 
     def _probe(self) -> float:
@@ -66,3 +75,42 @@ class PairExchange:
         other = torch.empty_like(t)
         self._comm.sendrecv(t, self._peer, other, self._peer)
         t.add_(other)
+
+    def start(self, t: torch.Tensor) -> "SumInFlight":
+        """Start ``t`` += the peer's ``t`` (a contiguous host tensor over Gloo); the sum is
+        made when its wait returns, and ``t`` must not change until then."""
+        other = torch.empty_like(t)
+        return SumInFlight(t, other, self._comm.sendrecv_started(t, other, self._peer))
+
+
+class SumInFlight:
+    """A pair's sum by exchange, started: waited for as a torch.distributed work is (``wait``
+    with a timeout raises RuntimeError when the time runs out, ``is_completed``), so that one
+    wait loop serves both."""
+
+    __slots__ = ("_t", "_other", "_batch", "_callbacks")
+
+    def __init__(self, t: torch.Tensor, other: torch.Tensor, batch):
+        self._t, self._other, self._batch = t, other, batch
+        self._callbacks = []
+
+    def is_completed(self) -> bool:
+        return self._batch.done.is_set()
+
+    def wait(self, timeout: datetime.timedelta = None) -> bool:
+        """Until the exchange has ended, then adds the peer's tensor (once); raises the
+        exchange's error, or RuntimeError when ``timeout`` runs out first."""
+        if not self._batch.done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("the exchange has not ended yet")
+        if self._batch.errors:
+            raise self._batch.errors[0]
+        if self._other is not None:
+            self._t.add_(self._other)
+            self._other = None
+            for callback in self._callbacks:
+                callback()
+        return True
+
+    def add_done_callback(self, callback) -> None:
+        """Call ``callback()`` once the sum is made (by the wait that makes it)."""
+        self._callbacks.append(callback)

@@ -11,22 +11,21 @@ Gloo calls are issued asynchronously and waited for in slices: a thread blocked 
 for a peer that has failed elsewhere, is released by ``abort`` (faults, liveness.py) at once
 rather than at the group's timeout.  A send or receive cannot be waited for in slices: a wait
 that runs out ends it (Gloo closes the pair), so a long exchange would fail; its works are
-waited for whole by a helper thread (``_PointToPointWaiter``) while the caller waits in slices.  Gloo cannot cancel the call itself, and destroying a group
-whose call still waits blocks until that timeout (its destructor joins the waiting thread), so an
-aborted group is kept, unused, for the life of the process; the next ``hvd.init()`` makes new
-ones, and the process's exit closes the old one's sockets.
+waited for whole by a helper thread (``point_to_point``) while the caller waits in slices.  Gloo
+cannot cancel the call itself, and destroying a group whose call still waits blocks until that
+timeout (its destructor joins the waiting thread), so an aborted group is kept, unused, for the
+life of the process; the next ``hvd.init()`` makes new ones, and the process's exit closes the old
+one's sockets.
 """
 import ctypes
 import datetime
 import functools
-import queue
-import threading
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import devices, pair_exchange, staging
+from . import devices, pair_exchange, point_to_point, staging
 from .base import CommunicationError, Communicator, PeerClosedError, ReduceOp
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on releases either side of that.
@@ -51,37 +50,6 @@ def _wrap_errors(fn):
                                      f"rank {self.rank} of {self.size}: {exc}") from exc
     wrapper.__name__ = fn.__name__
     return wrapper
-
-
-class _PointToPointWaiter:
-    """A daemon thread that waits for send/receive works whole, one batch at a time; the
-    caller waits for the batch's event in slices, so that an abort still ends its wait at once
-    (the thread then stays blocked until the group's timeout, in a group that is abandoned)."""
-
-    def __init__(self):
-        self._batches = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="horovod_ext-p2p-wait", daemon=True).start()
-
-    def _serve(self):
-        while True:
-            works, done, errors = self._batches.get()
-            try:
-                for work in works:
-                    work.wait()
-            except RuntimeError as exc:
-                errors.append(exc)
-            done.set()
-
-    def wait(self, works, aborted):
-        """Wait for every work; raise the first one's error, or ``aborted()``'s (a callable
-        that raises when the communicator has been aborted) as soon as it raises."""
-        done, errors = threading.Event(), []
-        self._batches.put((works, done, errors))
-        slice_s = _WAIT_SLICE.total_seconds()
-        while not done.wait(slice_s):
-            aborted()
-        if errors:
-            raise errors[0]
 
 
 class TorchCommunicator(Communicator):
@@ -148,17 +116,28 @@ class TorchCommunicator(Communicator):
             raise CommunicationError(f"abandoned on rank {self.rank}: {self._aborted}")
 
     def _wait_point_to_point(self, works):
-        """[(send/receive work, its group)]: Gloo's whole (see _PointToPointWaiter), NCCL's as
-        they come."""
+        """[(send/receive work, its group)]: Gloo's whole (see point_to_point), NCCL's as they
+        come."""
         gloo = [work for work, group in works if group is not self._cuda_group]
         for work, group in works:
             if group is self._cuda_group:
                 work.wait()
         if gloo:
             self._raise_if_aborted()
-            if self._p2p_waiter is None:
-                self._p2p_waiter = _PointToPointWaiter()
-            self._p2p_waiter.wait(gloo, self._raise_if_aborted)
+            self._waiter().wait(gloo, self._raise_if_aborted, _WAIT_SLICE.total_seconds())
+
+    def _waiter(self) -> point_to_point.PointToPointWaiter:
+        if self._p2p_waiter is None:
+            self._p2p_waiter = point_to_point.PointToPointWaiter()
+        return self._p2p_waiter
+
+    def sendrecv_started(self, send, recv, peer: int) -> point_to_point.Batch:
+        """Exchange contiguous host tensors with rank ``peer`` over Gloo, ``send`` for
+        ``recv``, without waiting: the started works' batch, whose ``done`` the helper thread
+        sets.  The receive is posted first, as in ``sendrecv``."""
+        peer, group = self.global_ranks[peer], self._cpu_group
+        return self._waiter().submit([dist.irecv(recv, peer, group=group),
+                                      dist.isend(send, peer, group=group)])
 
     def _nccl_for(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cuda and self._cuda_group is not None
