@@ -14,10 +14,10 @@ at once (liveness.py aborts it) and a silent peer ends it at ``LANE_TIMEOUT``.
 Two ranks sum a bucket that their pair exchange takes (up to 1 MiB on a near pair, 64 MiB on a
 far one) by exchanging whole buffers, as the engine's Gloo sums do (pair_exchange.py), rather than
 on Gloo's ring, whose two steps cost two round trips; both give the same bits.  Over the lab's
-100 Mbit/s link with 20 ms more round trip, 2 hosts x 1 rank, that took the CNN's step from
-0.98-1.02x DDP's to 0.88-0.89x and the MLP's from 1.00x to 0.97x (``benchmarks/ddp_parity.py``,
-docs/benchmarks/ddp_parity.md); on loopback and at 1 Gbit/s it changed nothing those runs could
-tell apart.
+100 Mbit/s link with 20 ms more round trip, 2 hosts x 1 rank, that is about one round trip less a
+bucket than DDP's ring: the CNN's and the transformer's steps take 0.89x DDP's, the MLP's 0.97x
+(docs/benchmarks/ddp_parity.md, "Over a far link"); on loopback and at 1 Gbit/s, against the
+ring, it is within the noise of a 2-core machine's runs.
 """
 import datetime
 import logging
