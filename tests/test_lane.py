@@ -251,6 +251,53 @@ def test_a_rank_dying_on_the_lane_is_reported_at_once():
     assert took < 10, took                 # not the 60 s timeout
 
 
+def body_rank_stops_on_the_lane():
+    """Rank 1 stops (SIGSTOP) in its fourth step, having started its first bucket on the lane
+    (at two ranks by exchange): rank 0, waiting for that exchange with a 30-minute lane
+    timeout, fails once rank 1's heartbeats stop, naming it."""
+    import os
+    import signal
+    import time
+    import horovod_ext.torch as hvd
+    from horovod_ext.backends import lane
+    r = hvd.rank()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    buckets = len(opt._hvd.reducer.buckets)
+    if r == 1:
+        start, started = lane.Lane.start, []
+
+        def start_then_stop(self, tensor, *args):
+            if len(started) == buckets + 1:    # the second lane step's second bucket
+                os.kill(os.getpid(), signal.SIGSTOP)
+            started.append(1)
+            return start(self, tensor, *args)
+        lane.Lane.start = start_then_stop
+    began = time.monotonic()
+    try:
+        for step in range(6):
+            began = time.monotonic()
+            opt.zero_grad()
+            model(_batch(step, r)).pow(2).mean().backward()
+            opt.step()
+    except hvd.HorovodInternalError as exc:
+        return step, str(exc), time.monotonic() - began
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_on_the_lane_is_named_within_two_heartbeats():
+    beat = 1.0
+    env = dict(LANE, HOROVOD_HEARTBEAT_SECONDS=str(beat), HOROVOD_COMM_TIMEOUT_SECONDS="60")
+    failure = run_ranks(body_rank_stops_on_the_lane, 2, "gloo", env=env, expect_failure=True,
+                        timeout=60, settle_on=[0])
+    step, message, took = failure.results[0]
+    assert step == 3, (step, message)
+    assert "rank 1" in message and "has stopped answering" in message, message
+    assert took < 2 * beat + 2.0, took        # a step's compute, then two heartbeats
+
+
 def body_reinit():
     """Five steps, hvd.shutdown() and hvd.init(), five more: the new world makes its own lane
     (after its first full ticket), and the results stay the reference's."""
