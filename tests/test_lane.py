@@ -252,14 +252,15 @@ def test_a_rank_dying_on_the_lane_is_reported_at_once():
 
 
 def body_rank_stops_on_the_lane():
-    """Rank 1 stops (SIGSTOP) in its fourth step, having started its first bucket on the lane
-    (at two ranks by exchange): rank 0, waiting for that exchange with a 30-minute lane
+    """Rank 1 stops (SIGSTOP) in its second lane step, having started its first bucket on the
+    lane (by exchange, the pair taken for a far one): rank 0, waiting for that exchange with a 30-minute lane
     timeout, fails once rank 1's heartbeats stop, naming it."""
     import os
     import signal
     import time
     import horovod_ext.torch as hvd
-    from horovod_ext.backends import lane
+    from horovod_ext.backends import lane, pair_exchange
+    pair_exchange.FAR_EXCHANGE_S = 0.0     # a far pair, whose lane sums by exchange
     r = hvd.rank()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -276,24 +277,28 @@ def body_rank_stops_on_the_lane():
         lane.Lane.start = start_then_stop
     began = time.monotonic()
     try:
-        for step in range(6):
+        for step in range(20):
             began = time.monotonic()
             opt.zero_grad()
             model(_batch(step, r)).pow(2).mean().backward()
             opt.step()
     except hvd.HorovodInternalError as exc:
-        return step, str(exc), time.monotonic() - began
+        return step, str(exc), time.monotonic() - began, opt._hvd.lane.lane.comm.pair.far
     return None
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_stopped_on_the_lane_is_named_within_two_heartbeats():
     beat = 1.0
-    env = dict(LANE, HOROVOD_HEARTBEAT_SECONDS=str(beat), HOROVOD_COMM_TIMEOUT_SECONDS="60")
+    # two pretend hosts, so that the pair is not near without timing; size buckets, so that
+    # the lane starts without a trial of plans
+    env = dict(LANE, HOROVOD_HEARTBEAT_SECONDS=str(beat), HOROVOD_COMM_TIMEOUT_SECONDS="60",
+               HOROVOD_GRADIENT_BUCKET_PLAN="size")
     failure = run_ranks(body_rank_stops_on_the_lane, 2, "gloo", env=env, expect_failure=True,
-                        timeout=60, settle_on=[0])
-    step, message, took = failure.results[0]
-    assert step == 3, (step, message)
+                        timeout=60, settle_on=[0], hostnames=["a", "b"])
+    step, message, took, far = failure.results[0]
+    assert far
+    assert step >= 3, (step, message)
     assert "rank 1" in message and "has stopped answering" in message, message
     assert took < 2 * beat + 2.0, took        # a step's compute, then two heartbeats
 
@@ -408,14 +413,18 @@ def test_a_late_rank_is_named_at_the_stall_check_time(late, disabled):
         assert f"waited 1 s for rank {late}, which had not started it" in warned[0], warned
 
 
-def body_lane_pair_sums():
+def body_lane_pair_sums(far):
     """Sums of several sizes and dtypes started together on a two-rank lane, then waited for
     in order; returns, per sum, whether it went by exchange, and whether it equals a Gloo
-    all_reduce of the same values bitwise."""
+    all_reduce of the same values bitwise.  ``far``: the pair is taken for a far one (any
+    probe counts as far), with 1 MiB for its largest exchange, so that one test holds both
+    ways without a 64 MiB buffer."""
     import torch.distributed as dist
     import horovod_ext.torch as hvd
     from horovod_ext.backends import lane, pair_exchange
     from horovod_ext.engine import runtime
+    if far:
+        pair_exchange.FAR_EXCHANGE_S, pair_exchange.FAR_MAX_BYTES = 0.0, 1 << 20
     r = hvd.rank()
     the_lane = lane.open_lane(runtime.topology(), None)
     plain = dist.new_group([0, 1], backend="gloo")
@@ -435,9 +444,14 @@ def body_lane_pair_sums():
 
 
 @pytest.mark.timeout(120)
-def test_two_ranks_sum_small_buckets_on_the_lane_by_exchange():
-    """Up to 1 MiB by one exchange of whole buffers, larger ones on Gloo's ring, all in flight
-    together, each the bits of the world's all_reduce."""
-    for result in run_ranks(body_lane_pair_sums, 2, "gloo", env={"HOROVOD_SHARED_MEMORY": "0"},
-                            hostnames=["a", "b"]):
+def test_a_far_pair_sums_its_buckets_on_the_lane_by_exchange():
+    """A far pair: up to its limit by one exchange of whole buffers, larger ones on Gloo's
+    ring, all in flight together, each the bits of a plain all_reduce.  A near pair (two
+    pretend hosts on loopback) keeps the ring for every one."""
+    env = {"HOROVOD_SHARED_MEMORY": "0"}
+    for result in run_ranks(body_lane_pair_sums, 2, "gloo", env=env, hostnames=["a", "b"],
+                            args=(True,)):
         assert result == [(True, True)] * 5 + [(False, True), (True, True)], result
+    for result in run_ranks(body_lane_pair_sums, 2, "gloo", env=env, hostnames=["a", "b"],
+                            args=(False,)):
+        assert result == [(False, True)] * 7, result

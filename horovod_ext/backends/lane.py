@@ -11,13 +11,15 @@ the world's group.  The lane is made collectively, belongs to the topology of on
 (aborted and closed with it), and is waited for in slices, so that a peer's failure ends a wait
 at once (liveness.py aborts it) and a silent peer ends it at ``LANE_TIMEOUT``.
 
-Two ranks sum a bucket that their pair exchange takes (up to 1 MiB on a near pair, 64 MiB on a
-far one) by exchanging whole buffers, as the engine's Gloo sums do (pair_exchange.py), rather than
-on Gloo's ring, whose two steps cost two round trips; both give the same bits.  Over the lab's
-100 Mbit/s link with 20 ms more round trip, 2 hosts x 1 rank, that is about one round trip less a
-bucket than DDP's ring: the CNN's and the transformer's steps take 0.89x DDP's, the MLP's 0.97x
-(docs/benchmarks/ddp_parity.md, "Over a far link"); on loopback and at 1 Gbit/s, against the
-ring, it is within the noise of a 2-core machine's runs.
+Two ranks that are a far pair (a one-value exchange takes a millisecond or more) sum a bucket of
+up to 64 MiB by exchanging whole buffers, as the engine's Gloo sums do (pair_exchange.py), rather
+than on Gloo's ring, whose two steps cost two round trips; both give the same bits.  Over the
+lab's 100 Mbit/s link with 20 ms more round trip, 2 hosts x 1 rank, that is about one round trip
+less a bucket than DDP's ring: the CNN's and the transformer's steps take 0.89x DDP's, the MLP's
+0.97x (docs/benchmarks/ddp_parity.md, "Over a far link").  A near pair keeps the ring: there
+the lane's buckets are in flight together, and exchanging them gained nothing on loopback or at
+1 Gbit/s, while at 100 Mbit/s the transformer's 7-10 buckets of up to 580 KiB took its step
+from 0.84-0.89x DDP's to 0.93-0.99x (three runs each way).
 """
 import datetime
 import logging
@@ -86,7 +88,7 @@ class Lane:
         recording timeline, a GLOO_ALLREDUCE on ``track`` from now until the sum is done."""
         number = self.watch.advance() if self.watch is not None else 0
         pair = self.comm.pair
-        by_exchange = pair is not None and pair.takes(tensor)
+        by_exchange = pair is not None and pair.far and pair.takes(tensor)
         if by_exchange:
             work = pair.start(tensor)
         else:

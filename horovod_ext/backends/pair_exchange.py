@@ -36,6 +36,7 @@ class PairExchange:
         self._peer = 1 - comm.rank
         self.probe_s = None       # the one-value exchange time both ranks agreed on, once timed
         self.max_bytes = None     # the largest buffer summed by exchange, once decided
+        self.far = False          # whether the probe found a far pair, once decided
 
     def on_one_host(self) -> None:
         """Both ranks are on one host (the topology says so, alike on both): near, without
@@ -48,7 +49,8 @@ class PairExchange:
         it at the same point)."""
         if self.max_bytes is None:
             self.probe_s = self._probe()
-            self.max_bytes = FAR_MAX_BYTES if self.probe_s >= FAR_EXCHANGE_S else NEAR_MAX_BYTES
+            self.far = self.probe_s >= FAR_EXCHANGE_S
+            self.max_bytes = FAR_MAX_BYTES if self.far else NEAR_MAX_BYTES
 
     def takes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is summed by exchange; the first call decides for the pair (both ranks
