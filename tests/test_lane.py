@@ -207,60 +207,19 @@ def test_gradients_that_never_came_are_zeros_on_the_lane():
         assert sums == 6 * buckets, (sums, buckets)
 
 
-def body_rank_dies_on_the_lane():
-    """Rank 1 dies in its fourth step, having started its first bucket on the lane: rank 0,
-    whose every bucket of that step is on the lane, fails at once, naming rank 1."""
-    import os
-    import time
-    import horovod_ext.torch as hvd
-    from horovod_ext.backends import lane
-    r = hvd.rank()
-    model = _model()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    buckets = len(opt._hvd.reducer.buckets)
-    if r == 1:
-        start, started = lane.Lane.start, []
-
-        def start_then_die(self, tensor, *args):
-            if len(started) == buckets + 1:    # the second lane step's second bucket
-                os._exit(3)
-            started.append(1)
-            return start(self, tensor, *args)
-        lane.Lane.start = start_then_die
-    began = time.monotonic()
-    try:
-        for step in range(6):
-            began = time.monotonic()
-            opt.zero_grad()
-            model(_batch(step, r)).pow(2).mean().backward()
-            opt.step()
-    except hvd.HorovodInternalError as exc:
-        return step, str(exc), time.monotonic() - began
-    return None
-
-
-@pytest.mark.timeout(120)
-def test_a_rank_dying_on_the_lane_is_reported_at_once():
-    env = dict(LANE, HOROVOD_HEARTBEAT_SECONDS="1", HOROVOD_COMM_TIMEOUT_SECONDS="60")
-    failure = run_ranks(body_rank_dies_on_the_lane, 2, "gloo", env=env, expect_failure=True,
-                        timeout=60, settle_on=[0])
-    step, message, took = failure.results[0]
-    assert step == 3, (step, message)
-    assert "rank 1" in message, message
-    assert took < 10, took                 # not the 60 s timeout
-
-
-def body_rank_stops_on_the_lane():
-    """Rank 1 stops (SIGSTOP) in its second lane step, having started its first bucket on the
-    lane (by exchange, the pair taken for a far one): rank 0, waiting for that exchange with a 30-minute lane
-    timeout, fails once rank 1's heartbeats stop, naming it."""
+def body_rank_fails_on_the_lane(how, far):
+    """Rank 1 fails in its second lane step, having started its first bucket on the lane:
+    ``how`` "dies" (exits) or "stops" (SIGSTOP).  Rank 0, waiting for that bucket's sum with a
+    30-minute lane timeout, fails (at once, or once rank 1's heartbeats stop), naming rank 1.
+    ``far``: the pair is taken for a far one (any probe counts as far), whose lane sums by
+    exchange; else the ring.  Returns (step, message, seconds into the step, the pair's far)."""
     import os
     import signal
     import time
     import horovod_ext.torch as hvd
     from horovod_ext.backends import lane, pair_exchange
-    pair_exchange.FAR_EXCHANGE_S = 0.0     # a far pair, whose lane sums by exchange
+    if far:
+        pair_exchange.FAR_EXCHANGE_S = 0.0
     r = hvd.rank()
     model = _model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -269,12 +228,14 @@ def body_rank_stops_on_the_lane():
     if r == 1:
         start, started = lane.Lane.start, []
 
-        def start_then_stop(self, tensor, *args):
+        def start_then_fail(self, tensor, *args):
             if len(started) == buckets + 1:    # the second lane step's second bucket
+                if how == "dies":
+                    os._exit(3)
                 os.kill(os.getpid(), signal.SIGSTOP)
             started.append(1)
             return start(self, tensor, *args)
-        lane.Lane.start = start_then_stop
+        lane.Lane.start = start_then_fail
     began = time.monotonic()
     try:
         for step in range(20):
@@ -287,19 +248,36 @@ def body_rank_stops_on_the_lane():
     return None
 
 
+def _fail_on_the_lane(how, far, beat):
+    """Rank 0's result of body_rank_fails_on_the_lane.  A far pair runs on two pretend hosts
+    (a pair on one host is near without timing), with size buckets, so that the lane starts
+    without a trial of plans."""
+    env = dict(LANE, HOROVOD_HEARTBEAT_SECONDS=str(beat), HOROVOD_COMM_TIMEOUT_SECONDS="60")
+    if far:
+        env["HOROVOD_GRADIENT_BUCKET_PLAN"] = "size"
+    failure = run_ranks(body_rank_fails_on_the_lane, 2, "gloo", env=env, args=(how, far),
+                        expect_failure=True, timeout=60, settle_on=[0],
+                        hostnames=["a", "b"] if far else None)
+    step, message, took, was_far = failure.results[0]
+    assert was_far == far
+    assert "rank 1" in message, message
+    return step, message, took
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("far", [False, True], ids=["ring", "exchange"])
+def test_a_rank_dying_on_the_lane_is_reported_at_once(far):
+    step, message, took = _fail_on_the_lane("dies", far, beat=1.0)
+    assert step == 3 or (far and step > 3), (step, message)   # one host: the lane from step 2
+    assert took < 10, took                 # not the 60 s timeout
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_stopped_on_the_lane_is_named_within_two_heartbeats():
     beat = 1.0
-    # two pretend hosts, so that the pair is not near without timing; size buckets, so that
-    # the lane starts without a trial of plans
-    env = dict(LANE, HOROVOD_HEARTBEAT_SECONDS=str(beat), HOROVOD_COMM_TIMEOUT_SECONDS="60",
-               HOROVOD_GRADIENT_BUCKET_PLAN="size")
-    failure = run_ranks(body_rank_stops_on_the_lane, 2, "gloo", env=env, expect_failure=True,
-                        timeout=60, settle_on=[0], hostnames=["a", "b"])
-    step, message, took, far = failure.results[0]
-    assert far
+    step, message, took = _fail_on_the_lane("stops", True, beat)
     assert step >= 3, (step, message)
-    assert "rank 1" in message and "has stopped answering" in message, message
+    assert "has stopped answering" in message, message
     assert took < 2 * beat + 2.0, took        # a step's compute, then two heartbeats
 
 

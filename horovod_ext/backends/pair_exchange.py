@@ -36,7 +36,6 @@ class PairExchange:
         self._peer = 1 - comm.rank
         self.probe_s = None       # the one-value exchange time both ranks agreed on, once timed
         self.max_bytes = None     # the largest buffer summed by exchange, once decided
-        self.far = False          # whether the probe found a far pair, once decided
 
     def on_one_host(self) -> None:
         """Both ranks are on one host (the topology says so, alike on both): near, without
@@ -49,8 +48,12 @@ class PairExchange:
         it at the same point)."""
         if self.max_bytes is None:
             self.probe_s = self._probe()
-            self.far = self.probe_s >= FAR_EXCHANGE_S
             self.max_bytes = FAR_MAX_BYTES if self.far else NEAR_MAX_BYTES
+
+    @property
+    def far(self) -> bool:
+        """Whether the probe found a far pair (False before it, and for a pair on one host)."""
+        return self.probe_s is not None and self.probe_s >= FAR_EXCHANGE_S
 
     def takes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is summed by exchange; the first call decides for the pair (both ranks
