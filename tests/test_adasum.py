@@ -103,6 +103,7 @@ def _rvh_every_count():
     import horovod_ext.torch as hvd
     from horovod_ext.backends import context
     import horovod_ext.algorithms.adasum.rvh as rvh_module
+    import horovod_ext.algorithms.adasum.shared_memory as shm_module
     from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_
     from horovod_ext.algorithms.adasum import operator
     from horovod_ext.backends.shm import SharedMemoryGroup
@@ -139,6 +140,15 @@ def _rvh_every_count():
                                                  remote=others))
             finally:
                 rvh_module.CHUNK_ELEMENTS = chunk
+            # in shared memory in chunks of 301 elements (cut across layers, odd shards), by
+            # address and with the torch code
+            chunk, shm_module.CHUNK_BYTES = shm_module.CHUNK_BYTES, 301 * flat.element_size()
+            try:
+                for host in (True, False):
+                    operator.HOST_CODE = host
+                    chunked.append(in_node_adasum_(flat.clone(), bounds, segment))
+            finally:
+                shm_module.CHUNK_BYTES, operator.HOST_CODE = chunk, True
             extra = {"chunks": {bool(key[-1]): [len(level.chunks) for level in plan.levels]
                                 for key, plan in rvh_module.layer_map(bounds).plans.items()
                                 if key[0] == "rvh" and key[7] == 37 and key[6] is group}}
@@ -236,9 +246,9 @@ def test_adasum_every_process_count(backend):
             inputs = [layers_for(r, seed=size) for r in members]
             expected = ref_tree(inputs, shapes)
             def flat_of(r, path):  # RVH, gather, chunked RVH, chunked RVH prepared before,
-                split = results[r]["split"][size]   # shm, RVH with every peer remote
+                split = results[r]["split"][size]   # shm, RVH with every peer remote, shm in
                 return {1: split[1], 2: split[2], 3: split[3][0], 4: split[3][1], 5: split[5],
-                        6: split[3][2]}[path]
+                        6: split[3][2], 7: split[3][3], 8: split[3][4]}[path]  # chunks (C, torch)
 
             p = adasum.largest_power_of_two(len(members))
             for r in members:
@@ -251,7 +261,7 @@ def test_adasum_every_process_count(backend):
                                                         chunks.get(True, []))):
                     assert far == 1, (r, level, chunks)
                     assert near > 1 if backend == "mpi" else near == 1, (r, level, chunks)
-            for path in (1, 2, 3, 4, 5, 6):
+            for path in (1, 2, 3, 4, 5, 6, 7, 8):
                 for r in members:
                     group_size, flat = results[r]["split"][size][0], flat_of(r, path)
                     assert group_size == len(members)

@@ -24,7 +24,7 @@ import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -214,24 +214,25 @@ class SharedMemoryGroup:
         return flat
 
     # --- whole vectors, for steps that read every rank's buffer (in-node Adasum) -------------
-    def publish(self, flat: torch.Tensor, table_bytes: int = 0,
-                private: Tuple[int, int] = (0, 0)):
-        """``flat`` (contiguous 1-D CPU) into this rank's slot (by address: cheaper than torch
-        slices on small buffers), except ``flat[private[0]:private[1]]``, which only this rank
-        reads; the slots are then read through ``slots_like`` or ``slot_address`` until the
-        next call of this group.  Each slot keeps two ``table_bytes`` areas for ``sum_tables``."""
-        size = flat.element_size()
-        nbytes = flat.numel() * size
+    def reserve(self, nbytes: int, table_bytes: int = 0):
+        """Room for a whole vector of ``nbytes`` in every slot, and two ``table_bytes`` areas
+        for ``sum_tables``.  Collective; the slots are then filled by ``publish`` and read
+        through ``slots_like`` or ``slot_address`` until the next call of this group."""
         self._table_at = -(-nbytes // _LINE) * _LINE
         self._table_room = -(-table_bytes // _LINE) * _LINE
         self._ensure(self._table_at + 2 * self._table_room)
+        self._table_area = 0
+
+    def publish(self, flat: torch.Tensor, ranges: Sequence[Tuple[int, int]]):
+        """The elements [lo, hi) of each of ``ranges`` of ``flat`` (contiguous 1-D CPU) into
+        this rank's slot at the same offsets, by address (cheaper than torch slices on small
+        buffers), unless ``flat`` is the slot; then wait until every local rank has done so."""
+        size = flat.element_size()
         mine, at = self.slot_address(self.rank), flat.data_ptr()
         if mine != at:
-            lo, hi = private
-            ctypes.memmove(mine, at, lo * size)
-            ctypes.memmove(mine + hi * size, at + hi * size, nbytes - hi * size)
+            for lo, hi in ranges:
+                ctypes.memmove(mine + lo * size, at + lo * size, (hi - lo) * size)
         self._arrive_and_wait("publish")
-        self._table_area = 0
 
     def slots_like(self, flat: torch.Tensor) -> List[torch.Tensor]:
         """Every local rank's slot as a tensor like ``flat``."""
