@@ -169,7 +169,7 @@ def body_single_host_adasum():
 @pytest.mark.parametrize("shared", ["1", "0"])
 def test_single_host_adasum_through_shared_memory_by_size(backend, shared):
     """All ranks on one host: Adasum goes through the segment from the world communicator's
-    threshold on (Gloo: every size; MPI: from 16 MiB, below which its own exchanges are
+    threshold on (Gloo: every size; MPI: from 4 MiB, below which its own exchanges are
     faster), never with HOROVOD_SHARED_MEMORY=0; every result is the tree's."""
     results = run_ranks(body_single_host_adasum, 3, backend, env={"HOROVOD_SHARED_MEMORY": shared}, timeout=100)
     small_too = backend == "gloo"

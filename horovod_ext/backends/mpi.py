@@ -273,13 +273,13 @@ class MPICommunicator(Communicator):
     # Open MPI's own shared-memory transport keeps up with shm.py while a buffer fits in the
     # caches (measured with benchmarks/allreduce.py --in-node-only: 16 MiB 0.9x, 32 MiB 2.4x).
     shared_memory_from_bytes = 32 << 20
-    # Adasum (benchmarks/adasum.py, np = 2 and 4): at 1-8 MiB its exchanges over Open MPI,
-    # whose in-node transport copies once, and the segment, which copies in and out, take
-    # about as long (np = 2: 1.00-1.09x Sum's time against 0.94-1.11x); from 16 MiB, where the
-    # copies leave the caches, the segment's whole tree in two passes beats a level's
-    # exchange, products, combination and gather (16 MiB 0.88-0.99x against 0.98-1.15x,
-    # 64 MiB 1.03-1.33x against 1.12-1.34x).
-    whole_vector_steps_in_shared_memory_from_bytes = 16 << 20
+    # Adasum (benchmarks/adasum.py as a script calls it, np = 2 and 4, four interleaved runs):
+    # from 4 MiB the segment's whole tree, in 4 MiB chunks whose reads come from the caches,
+    # beats the exchanges, products, combination and gather of a level over Open MPI (np = 2,
+    # 8 MiB: 0.75-0.85x Sum's time against 1.08-1.47x; 4 MiB: 0.78-1.16x, median 0.82, against
+    # 0.82-1.03x, median 0.98); at 1-2 MiB the exchanges, whose in-node transport copies once,
+    # are as fast (1 MiB, np = 4: 0.97-1.11x against 1.05-1.25x through the segment).
+    whole_vector_steps_in_shared_memory_from_bytes = 4 << 20
 
     # CPU buffers by address (contiguous, any dtype: point-to-point moves bytes).
     prepared_by_address = True
