@@ -14,7 +14,8 @@ The table gives the medians over blocks and the ratio Adasum / Sum.  JSON goes t
 The "as called" columns time calls the way a training script makes them: a barrier, then one
 call under a name never used before (so no response cache or steady-state lane helps either op),
 alone.  Blocks of 15 such calls of each op take turns (``--user-blocks``, default 3); the
-median call of each block, and the median of those, is reported.
+median call of each block, and the median of those, is reported, and the ratio is the median of
+the blocks' ratios (each Adasum block against the Sum block beside it).
 
 ``--lab RATE`` runs the same matrix across the two hosts of the network lab (tools/netlab.sh, at
 RATE per direction), np / 2 ranks on each: a training job's Adasum crosses a link, where the
@@ -161,12 +162,16 @@ def _matrix(args, report):
     for np in [int(x) for x in args.nps.split(",")]:
         for kind in args.backends.split(","):
             argv = [os.path.abspath(__file__), "--worker", "--seconds", str(args.seconds),
-                    "--sizes", ",".join(map(str, args.sizes))]
+                    "--sizes", ",".join(map(str, args.sizes)),
+                    "--user-blocks", str(args.user_blocks)]
             hosts = [f"nl-{i * 2 // np}" for i in range(np)] if args.lab else None
             rows = _spawn.run_collect(kind, argv, np, hosts=hosts)["rows"]
             for r in rows:
                 r["ratio"] = r["adasum_us"] / r["sum_us"]
-                r["called_ratio"] = r["adasum_called_us"] / r["sum_called_us"]
+                # block by block (each Adasum block against the Sum block beside it), so that
+                # the machine's drift between blocks cancels
+                r["called_ratio"] = statistics.median(
+                    a / b for a, b in zip(r["adasum_called_us_blocks"], r["sum_called_us_blocks"]))
                 print(f"{kind:<9} {np:>3} {_spawn.human(r['size']):>9} {r['sum_us']:>10.1f} "
                       f"{r['adasum_us']:>10.1f} {r['ratio']:>7.2f} {r['sum_called_us']:>11.1f} "
                       f"{r['adasum_called_us']:>14.1f} {r['called_ratio']:>7.2f}", flush=True)
