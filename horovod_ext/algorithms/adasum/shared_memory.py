@@ -10,10 +10,10 @@ derives the root's weight of each vector from the sum, and each rank writes its 
 weighted sum in one more pass, both into slot 0 and into its own vector; every rank then copies
 the others' shards from slot 0.  A rank's own shard of its own vector is read by nobody else,
 so it is not copied into the slot.  So the whole tree costs two passes over the shards and one
-wait for the tables, where the tree level by level costs two passes and a wait per level, and
-RVH over sockets an exchange of half the vector and a dot-product allreduce per level: on one
-host with Gloo, the exchanges' copies through the kernel and their per-message latency
-dominated.
+wait for the tables (besides a chunk's waits for its publication and its result), where the
+tree level by level costs two passes and a wait per level, and RVH over sockets an exchange of
+half the vector and a dot-product allreduce per level: on one host with Gloo, the exchanges'
+copies through the kernel and their per-message latency dominated.
 
 Every rank adds the tables in the same order and the result is each shard's one owner's, so
 all ranks end with the same bits.
@@ -66,8 +66,8 @@ class _Shard:
     where they do not take the buffer)."""
 
     def __init__(self, layers, x: torch.Tensor, n: int, me: int, chunk: int):
-        edges = list(range(0, x.numel(), chunk))[1:]
-        edges = [0] + edges + [x.numel()]
+        # an empty buffer is one empty chunk: every rank still meets every step
+        edges = list(range(0, max(x.numel(), 1), chunk)) + [x.numel()]
         self.chunks = [_Chunk(layers, a, b, n, me) for a, b in zip(edges, edges[1:])]
         self.table_bytes = layers.count * pair_count(n) * 8
         self.host = HostTree.for_tensor(x, n, layers.count)
