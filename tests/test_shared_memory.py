@@ -137,31 +137,35 @@ def test_single_host_allreduce_through_shared_memory(backend, shared):
 
 
 def body_single_host_adasum():
-    """hvd.allreduce(op=Adasum) of a small and a large single-layer buffer: which ones went
-    through the segment, and each result's error against the tree computed here."""
+    """hvd.allreduce(op=Adasum) of a small and a large single-layer buffer, then a grouped
+    allreduce of three large layers: which went through the segment, which of those were packed
+    in this rank's slot, and each result's error against the tree computed here."""
     import horovod_ext.torch as hvd
     from horovod_ext.engine import runtime
     from horovod_ext.ops import adasum as adasum_op
     from tests.test_adasum import ref_tree, rel_err
     r, n = hvd.rank(), hvd.size()
     world = runtime.state.comms.world
-    through_segment = []
+    through_segment, in_slot = [], []
     in_node = adasum_op.in_node_adasum_
 
-    def counted(*args):
+    def counted(x, bounds, group):
         through_segment[-1] = True
-        return in_node(*args)
+        out = in_node(x, bounds, group)
+        in_slot[-1] = x.data_ptr() == group.slot_address(group.rank)   # and it stayed there
+        return out
 
     adasum_op.in_node_adasum_ = counted
     large = max(world.whole_vector_steps_in_shared_memory_from_bytes // 4, 4096) + 1001
     errors = []
-    for step, numel in enumerate((1001, large)):
+    for step, sizes in enumerate(([1001], [large], [large // 2, large // 2 + 5, 999])):
         through_segment.append(False)
-        inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * step + k))
-                  for k in range(n)]
-        got = hvd.allreduce(inputs[r], op=hvd.Adasum, name=f"adasum{step}")
-        errors.append(rel_err([got], ref_tree([[x] for x in inputs], [torch.Size([numel])])))
-    return through_segment, errors
+        in_slot.append(False)
+        inputs = [[torch.randn(numel, generator=torch.Generator().manual_seed(10 * step + k))
+                   for numel in sizes] for k in range(n)]
+        got = hvd.grouped_allreduce(inputs[r], op=hvd.Adasum, name=f"adasum{step}")
+        errors.append(rel_err(got, ref_tree(inputs, [torch.Size([numel]) for numel in sizes])))
+    return through_segment, in_slot, errors
 
 
 @pytest.mark.timeout(120)
@@ -170,11 +174,13 @@ def body_single_host_adasum():
 def test_single_host_adasum_through_shared_memory_by_size(backend, shared):
     """All ranks on one host: Adasum goes through the segment from the world communicator's
     threshold on (Gloo: every size; MPI: from 4 MiB, below which its own exchanges are
-    faster), never with HOROVOD_SHARED_MEMORY=0; every result is the tree's."""
+    faster), never with HOROVOD_SHARED_MEMORY=0, and a fusion buffer of several tensors is
+    packed straight into the rank's slot there; every result is the tree's."""
     results = run_ranks(body_single_host_adasum, 3, backend, env={"HOROVOD_SHARED_MEMORY": shared}, timeout=100)
     small_too = backend == "gloo"
-    for through_segment, errors in results:
-        assert through_segment == ([small_too, True] if shared == "1" else [False, False])
+    for through_segment, in_slot, errors in results:
+        assert through_segment == ([small_too, True, True] if shared == "1" else [False] * 3)
+        assert in_slot == [False, False, shared == "1"]
         assert max(errors) < 1e-5, errors
 
 

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import shm, staging, trace
+from . import shm, shm_files, staging, trace
 from .base import Communicator, ReduceOp
 from .hierarchy import Span, Step, hierarchical_, run_step
 from .partition import pipeline_chunk_bytes
@@ -34,21 +34,28 @@ class Collectives:
         self.hierarchical_allgather = hierarchical_allgather
         self._chunk_bytes = chunk_bytes
 
-    def pack_target(self, numel: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    def pack_target(self, numel: int, dtype: torch.dtype,
+                    whole_vectors: bool = False) -> Optional[torch.Tensor]:
         """Where to pack a fusion buffer of ``numel`` ``dtype`` elements that an elementwise op
-        will reduce: this rank's shared-memory slot when the in-node steps run there (no copy
-        in, none of its own shard out), None otherwise.  Collective over the local ranks, as
-        the reduction that follows is."""
+        (or, with ``whole_vectors``, an op whose step reads whole vectors in shared memory:
+        ``single_host_group``) will reduce: this rank's shared-memory slot when the in-node
+        steps run there (no copy in, none of its own shard out), None otherwise.  Collective
+        over the local ranks, as the reduction that follows is."""
         empty = torch.empty(0, dtype=dtype)
         nbytes = numel * empty.element_size()
-        if not (self.hierarchical or self._single_node(nbytes)):
+        if not (self._whole_vectors_in_node(nbytes) if whole_vectors
+                else self.hierarchical or self._single_node(nbytes)):
             return None
         if self.world.stages(empty):
             # a staged buffer's chunks go through the slot themselves (_staged_in_node): the
             # buffer there would be overwritten before it is read
             return None
         in_node = self.topology.in_node(empty, nbytes)
-        return None if in_node is None else in_node.buffer(numel, dtype)
+        if in_node is None:
+            return None
+        # room for the tables a whole-vector step keeps beside the buffer (fits_in_node's
+        # spare MiB), or reserving them would move the segment, and the buffer out of it
+        return in_node.buffer(numel, dtype, shm_files.MIB if whole_vectors else 0)
 
     def _single_node(self, nbytes: int, slot_bytes: Optional[int] = None) -> bool:
         """Whether a whole elementwise allreduce of ``nbytes`` goes through shared memory: every
@@ -66,12 +73,13 @@ class Collectives:
         communicator's exchanges (its ``whole_vector_steps_in_shared_memory_from_bytes``; the
         same answer on every rank); else None.  For ops whose own step reads every rank's
         vector (in-node Adasum)."""
-        t = self.topology
-        nbytes = buffer.numel() * buffer.element_size()
-        if (self.hierarchical or t.num_nodes != 1
-                or nbytes < self.world.whole_vector_steps_in_shared_memory_from_bytes):
+        if not self._whole_vectors_in_node(buffer.numel() * buffer.element_size()):
             return None
-        return t.in_node(buffer.view(-1))
+        return self.topology.in_node(buffer.view(-1))
+
+    def _whole_vectors_in_node(self, nbytes: int) -> bool:
+        return (not self.hierarchical and self.topology.num_nodes == 1
+                and nbytes >= self.world.whole_vector_steps_in_shared_memory_from_bytes)
 
     def _staged_in_node(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
         """The shared-memory group for a whole allreduce of ``buffer`` when every rank is on

@@ -160,12 +160,13 @@ class SharedMemoryGroup:
     def _view(self, k: int, flat: torch.Tensor) -> torch.Tensor:
         return self._slots[k][:flat.numel() * flat.element_size()].view(flat.dtype)
 
-    def buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def buffer(self, numel: int, dtype: torch.dtype, spare_bytes: int = 0) -> torch.Tensor:
         """This rank's slot as a flat ``dtype`` tensor: a buffer packed here skips phase 1's
         copy and phase 3's copy of its own shard.  Collective over the local ranks (the same
-        size on each); valid until the next call of any method of this group."""
+        size on each); valid until the next call of any method of this group, except the
+        ``reserve`` of a step that fits in ``spare_bytes`` beside the buffer."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        self._ensure(nbytes)
+        self._ensure(nbytes + spare_bytes)
         return self._slots[self.rank][:nbytes].view(dtype)
 
     def reduce_scatter(self, flat: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:

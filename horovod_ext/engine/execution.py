@@ -190,10 +190,11 @@ class Executor:
             with trace.activity("MEMCPY_IN_FUSION_BUFFER", trace.nbytes_of(tensors[0])):
                 return tensors[0].detach().reshape(-1).clone()  # becomes the result itself
         # An elementwise op's fused buffer goes straight into shared memory when the in-node
-        # steps run there.
+        # steps run there, and so does the buffer of an op that reads whole vectors there.
         slot = None
-        if op.elementwise and tensors[0].is_cpu:
-            slot = self.comms.pack_target(sum(t.numel() for t in tensors), tensors[0].dtype)
+        if (op.elementwise or op.reads_whole_vectors_in_node) and tensors[0].is_cpu:
+            slot = self.comms.pack_target(sum(t.numel() for t in tensors), tensors[0].dtype,
+                                          whole_vectors=not op.elementwise)
         with trace.activity("MEMCPY_IN_FUSION_BUFFER", sum(trace.nbytes_of(t) for t in tensors)):
             buffer = self._fusion.pack(tensors, slot)
         self.stats["fused_buffers"] += 1

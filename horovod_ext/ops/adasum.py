@@ -32,6 +32,7 @@ class AdasumOp(Op):
     count; hierarchical inside a node when HOROVOD_HIERARCHICAL_ALLREDUCE=1."""
     name = "adasum"
     floating_point_only = True
+    reads_whole_vectors_in_node = True
 
     def allreduce(self, buffer, layers, comms):
         bounds = [(layer.offset, layer.numel) for layer in layers]

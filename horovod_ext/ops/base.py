@@ -53,6 +53,10 @@ class Op:
     # op's result (Average: "sum"), or None: DistributedOptimizer may then divide each gradient
     # as it copies it into its bucket, as DDP does, instead of in a pass after the transfer.
     sum_of_divided: Optional[str] = None
+    # True for ops whose step on one host reads every rank's whole buffer through shared memory
+    # (Collectives.single_host_group, in-node Adasum): the engine then packs their fusion
+    # buffers straight into the rank's slot, as it does an elementwise op's, skipping a copy.
+    reads_whole_vectors_in_node: bool = False
 
     @property
     def elementwise(self) -> bool:
