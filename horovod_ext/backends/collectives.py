@@ -78,6 +78,8 @@ class Collectives:
         return self.topology.in_node(buffer.view(-1))
 
     def _whole_vectors_in_node(self, nbytes: int) -> bool:
+        """Whether a step that reads whole vectors (``single_host_group``) may run in shared
+        memory for a buffer of ``nbytes``: the same answer on every rank."""
         return (not self.hierarchical and self.topology.num_nodes == 1
                 and nbytes >= self.world.whole_vector_steps_in_shared_memory_from_bytes)
 

@@ -99,7 +99,10 @@ def in_node_adasum_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]],
             group.publish(x, part.others)
         with trace.activity("ADASUM_GRAM", n * (part.hi - part.lo) * size):
             shares = passes.gram(part)
-            table = shares.copy() if table is None else table + shares
+            if table is None:
+                table = shares.copy()   # the C kernels' table is theirs: refilled each call
+            else:
+                table += shares
     with trace.activity("ADASUM_GRAM_SUM", table.size * 8):
         weights = passes.weights(group.sum_tables(table))
     for part in reversed(shard.chunks):
