@@ -668,6 +668,58 @@ def test_hierarchical_adasum(backend, case):
     assert rel_err(flat, expected) > 1e-3
 
 
+# --- flat over hosts in blocks: each host's subtree in its segment, the rest across hosts -----
+def _flat_over_hosts(threshold: int):
+    """Flat Adasum of a fused group, of one tensor and of one element, with the world
+    communicator's threshold for whole-vector steps in shared memory at ``threshold``: (the
+    results, how many calls took the split at the hosts)."""
+    import horovod_ext.torch as hvd
+    from horovod_ext.engine import runtime
+    from horovod_ext.ops import adasum as adasum_op
+    from tests.test_adasum import layers_for
+    runtime.state.comms.world.whole_vector_steps_in_shared_memory_from_bytes = threshold
+    split, by_host = [0], adasum_op._by_host
+
+    def counted(*args):
+        split[0] += 1
+        return by_host(*args)
+
+    adasum_op._by_host = counted
+    r = hvd.rank()
+    fused = hvd.grouped_allreduce(layers_for(r, seed=90), op=hvd.Adasum, name="f.fused")
+    single = hvd.allreduce(torch.arange(3001.0) * (r + 1) - r * 3, op=hvd.Adasum, name="f.one")
+    # one element: the second rank of a host has an empty shard and still joins its host's sums
+    tiny = hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Adasum, name="f.tiny")
+    return fused, single, tiny, split[0]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend,hosts,shared,split", [
+    ("gloo", "a a b b", "1", 3), ("mpi", "a a b b", "1", 3),
+    ("gloo", "a a b b", "0", 0),       # no segment: RVH over the transport
+    ("gloo", "a b a b", "1", 0),       # a host's ranks are not consecutive: no subtree of its own
+    ("gloo", "a a b", "1", 0)])        # unequal hosts, and 3 ranks fold across them
+def test_flat_adasum_over_hosts_in_blocks(backend, hosts, shared, split):
+    """Flat Adasum where hosts hold blocks of consecutive ranks, a power of two each, is the
+    tree over all ranks in rank order, split at the hosts: each host's subtree through its
+    segment, the tree over the hosts across them on shards.  It is the flat tree's result
+    (1e-5), and only such layouts take the split (and every call of them does, at a threshold
+    of 0: with the transport's own threshold, MPI's 4 MiB, the small calls would not)."""
+    names = hosts.split()
+    results = run_ranks(_flat_over_hosts, len(names), backend, hostnames=names, args=(0,),
+                        env={"HOROVOD_SHARED_MEMORY": shared}, timeout=150)
+    n, shapes = len(names), [torch.Size(s) for s in LAYERS]
+    expected = ref_tree([layers_for(r, 90) for r in range(n)], shapes)
+    expected_single = ref_tree([[torch.arange(3001.0) * (r + 1) - r * 3] for r in range(n)],
+                               [torch.Size([3001])])
+    expected_tiny = ref_tree([[torch.tensor([r + 1.0])] for r in range(n)], [torch.Size([1])])
+    for r, (fused, single, tiny, took) in enumerate(results):
+        assert rel_err(fused, expected) < 1e-5, (r, rel_err(fused, expected))
+        assert rel_err([single], expected_single) < 1e-5, (r, rel_err([single], expected_single))
+        assert rel_err([tiny], expected_tiny) < 1e-6, (r, tiny, expected_tiny)
+        assert took == split, (r, took)
+
+
 # --- DistributedOptimizer: gradients (SGD) or parameter changes (Adam) combined ---------------
 def _model():
     torch.manual_seed(0)

@@ -77,6 +77,18 @@ class Collectives:
             return None
         return self.topology.in_node(buffer.view(-1))
 
+    def every_host_group(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
+        """This node's shared-memory group when the world spans several hosts that hold the
+        same number of consecutive ranks each (``Topology.hosts_in_blocks``), not
+        hierarchically, and every host can take ``buffer`` through its segment and it is as
+        large as ``single_host_group`` asks; else None on every rank.  For ops whose own step
+        reads every rank's vector of a node there first and crosses hosts after."""
+        t, nbytes = self.topology, buffer.numel() * buffer.element_size()
+        if (self.hierarchical or t.num_nodes == 1 or t.local_size == 1 or not t.hosts_in_blocks
+                or nbytes < self.world.whole_vector_steps_in_shared_memory_from_bytes):
+            return None
+        return t.in_every_node(buffer.view(-1))
+
     def _whole_vectors_in_node(self, nbytes: int) -> bool:
         """Whether a step that reads whole vectors (``single_host_group``) may run in shared
         memory for a buffer of ``nbytes``: the same answer on every rank."""

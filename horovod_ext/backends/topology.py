@@ -63,6 +63,9 @@ class Topology:
     timeout: float = 60.0
     # the largest slot the segment may have, as the local ranks agreed (None: no limit)
     shared_memory_room: Optional[int] = None
+    # the smallest such room of any host, as the whole world agreed (None: no limit anywhere,
+    # 0: some host has no segment): what a step that runs in every node's segment at once fits
+    shared_memory_everywhere: Optional[int] = 0
     _in_node: Optional[shm.SharedMemoryGroup] = field(default=None, repr=False)
     _said_too_large: bool = field(default=False, repr=False)
     # communicators made over these ranks later (backends/lane.py), aborted and closed with them
@@ -155,6 +158,30 @@ class Topology:
             room = (shm_files.room_per_rank(shm.SEGMENT_DIR, self.local_size)
                     if self.local_rank == 0 else None)
             self.shared_memory_room = self.local.broadcast_object(room, root=0)
+        usable = allowed and self.local_size > 1 and shm.available()
+        rooms = [self.shared_memory_room if usable else 0]
+        if self.num_nodes > 1:
+            rooms = self.world.allgather_object(rooms[0])
+        limited = [r for r in rooms if r is not None]
+        self.shared_memory_everywhere = min(limited) if limited else None
+
+    @cached_property
+    def hosts_in_blocks(self) -> bool:
+        """Whether every host holds the same number of consecutive ranks (node_of never
+        changes): then a tree over the ranks in rank order can start with one subtree per
+        host."""
+        return self.is_homogeneous and all(node == r // self.local_size
+                                           for r, node in enumerate(self.node_of))
+
+    def in_every_node(self, buffer: torch.Tensor) -> Optional[shm.SharedMemoryGroup]:
+        """``in_node`` for a step that every node runs in its own segment at the same time,
+        so that every rank must take the same way: this node's group where every host can
+        take ``buffer`` (``shared_memory_everywhere``), else None on every rank."""
+        room = self.shared_memory_everywhere
+        nbytes = buffer.numel() * buffer.element_size()
+        if room == 0 or (room is not None and shm_files.slot_bytes(nbytes) + shm_files.MIB > room):
+            return None
+        return self.in_node(buffer)
 
     def in_node(self, buffer: torch.Tensor,
                 nbytes: Optional[int] = None) -> Optional[shm.SharedMemoryGroup]:

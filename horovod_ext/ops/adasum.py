@@ -2,7 +2,11 @@
 
 Flat: AdasumRVH over all ranks, the tree over ranks in rank order; when every rank is on one
 host and shared memory is on, the same tree through the shared-memory segment
-(adasum/shared_memory.py) instead.  Hierarchical
+(adasum/shared_memory.py) instead.  Where the ranks span hosts that hold as many consecutive
+ranks each, and that tree has each host's ranks as a subtree (powers of two), the same tree is
+split at the hosts (``_by_host``): each host's subtree in its segment, the rest across hosts on
+shards, so only the hosts' vectors cross the link and no exchange runs over the transport
+inside a host.  Hierarchical
 (HOROVOD_HIERARCHICAL_ALLREDUCE=1 with several nodes, paper 4.2.2): average inside each node by a
 reduce-scatter, so each local rank owns a shard; Adasum across nodes on the shards, in node order,
 with the per-layer dot products also summed over the local ranks so that they cover whole layers;
@@ -16,9 +20,12 @@ from typing import Tuple
 
 import torch
 
-from horovod_ext.algorithms.adasum import adasum_allreduce_, in_node_adasum_
+from horovod_ext.algorithms.adasum import (adasum_allreduce_, in_node_adasum_,
+                                           splits_into_blocks)
 from horovod_ext.backends import trace
+from horovod_ext.backends.base import split_sizes
 from horovod_ext.backends.hierarchy import Span
+from horovod_ext.backends.shm import SharedMemoryGroup
 from horovod_ext.backends.topology import Topology
 
 from .base import Op
@@ -41,6 +48,11 @@ class AdasumOp(Op):
             with trace.activity("SHM_ADASUM", trace.nbytes_of(buffer)):
                 in_node_adasum_(buffer.view(-1), bounds, group)
             return buffer
+        group = comms.every_host_group(buffer)
+        if group is not None and splits_into_blocks(comms.topology.size,
+                                                    comms.topology.local_size):
+            _by_host(buffer.view(-1), bounds, group, comms.topology)
+            return buffer
 
         def step(part: torch.Tensor, span: Span) -> torch.Tensor:
             if not span.hierarchical:
@@ -60,6 +72,26 @@ class AdasumOp(Op):
         if isinstance(optimizer, torch.optim.SGD):
             return any(g.get("momentum", 0) for g in optimizer.param_groups)
         return True
+
+
+def _by_host(flat: torch.Tensor, bounds, group: SharedMemoryGroup, topology: Topology):
+    """The tree over the ranks in rank order, split at the hosts (each a block of consecutive
+    ranks, a subtree of the tree): the host's subtree through its segment, after which every
+    local rank holds the host's vector; the tree over the hosts on this rank's shard of it,
+    among the ranks with its local rank, with the per-layer dot products also summed over the
+    local ranks so that they cover whole layers (as the hierarchical step's); the shards
+    gathered through the segment.  In place."""
+    with trace.activity("SHM_ADASUM", trace.nbytes_of(flat)):
+        in_node_adasum_(flat, bounds, group)
+    counts = split_sizes(flat.numel(), topology.local_size)
+    offset = sum(counts[:topology.local_rank])
+    part = flat[offset:offset + counts[topology.local_rank]]
+    with trace.activity("ADASUM_CROSS", trace.nbytes_of(part)):
+        adasum_allreduce_(part, bounds, topology.cross, order=_node_order(topology),
+                          extra_reduce=topology.local.allreduce, offset=offset,
+                          remote=range(topology.cross.size))
+    with trace.activity("SHM_NODE_ALLGATHER", trace.nbytes_of(flat)):
+        group.allgather(flat, part)
 
 
 def _node_order(topology: Topology) -> Tuple[int, ...]:

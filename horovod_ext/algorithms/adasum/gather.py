@@ -27,6 +27,14 @@ def largest_power_of_two(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def splits_into_blocks(n: int, block: int) -> bool:
+    """Whether the tree over ``n`` ranks (RVH's, the gather path's) has every run of ``block``
+    consecutive ranks as a subtree of its own: where both are powers of two, and ``block``
+    divides ``n``.  A count that is not a power of two folds ranks across the runs."""
+    return (n > 0 and block > 0 and n % block == 0
+            and largest_power_of_two(n) == n and largest_power_of_two(block) == block)
+
+
 def tree_divisors(n: int, lo: int, d: int) -> Tuple[float, float]:
     """The divisors (d_a, d_b) (operator.py) of the tree's pair at distance ``d`` whose a side is
     nodes [lo, lo + d) and b side [lo + d, lo + 2 d), over ``n`` ranks.
