@@ -130,8 +130,10 @@ def _rvh_every_count():
             # over MPI, the first exchange of every level in chunks (cut across layers, odd
             # lengths) whose products are summed as they arrive; twice, so the second call
             # runs the exchanges prepared by the first (Gloo exchanges are never chunked); then
-            # with every peer taken as another host's, whose exchanges go whole
+            # with every peer taken as another host's, whose exchanges go whole (a pair of
+            # such ranks would swap whole vectors instead: test_flat_adasum_over_hosts...)
             chunk, rvh_module.CHUNK_ELEMENTS = rvh_module.CHUNK_ELEMENTS, 37
+            swap, rvh_module.PAIR_SWAP_LIMIT = rvh_module.PAIR_SWAP_LIMIT, -1
             try:
                 chunked = [adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0)
                            for _ in range(2)]
@@ -139,7 +141,7 @@ def _rvh_every_count():
                 chunked.append(adasum_allreduce_(flat.clone(), bounds, group, gather_limit=0,
                                                  remote=others))
             finally:
-                rvh_module.CHUNK_ELEMENTS = chunk
+                rvh_module.CHUNK_ELEMENTS, rvh_module.PAIR_SWAP_LIMIT = chunk, swap
             # in shared memory in chunks of 301 elements (cut across layers, odd shards), by
             # address and with the torch code
             chunk, shm_module.CHUNK_BYTES = shm_module.CHUNK_BYTES, 301 * flat.element_size()
@@ -672,52 +674,67 @@ def test_hierarchical_adasum(backend, case):
 def _flat_over_hosts(threshold: int):
     """Flat Adasum of a fused group, of one tensor and of one element, with the world
     communicator's threshold for whole-vector steps in shared memory at ``threshold``: (the
-    results, how many calls took the split at the hosts)."""
+    results, how many calls took the split at the hosts, how many pairs swapped whole
+    vectors)."""
     import horovod_ext.torch as hvd
+    from horovod_ext.algorithms.adasum import gather
     from horovod_ext.engine import runtime
     from horovod_ext.ops import adasum as adasum_op
     from tests.test_adasum import layers_for
     runtime.state.comms.world.whole_vector_steps_in_shared_memory_from_bytes = threshold
-    split, by_host = [0], adasum_op._by_host
+    counts = {"split": 0, "swap": 0}
 
-    def counted(*args):
-        split[0] += 1
-        return by_host(*args)
+    def counting(module, name, key):
+        original = getattr(module, name)
 
-    adasum_op._by_host = counted
+        def counted(*args):
+            counts[key] += 1
+            return original(*args)
+
+        setattr(module, name, counted)
+
+    counting(adasum_op, "_by_host", "split")
+    counting(gather, "_pair_", "swap")
     r = hvd.rank()
     fused = hvd.grouped_allreduce(layers_for(r, seed=90), op=hvd.Adasum, name="f.fused")
     single = hvd.allreduce(torch.arange(3001.0) * (r + 1) - r * 3, op=hvd.Adasum, name="f.one")
     # one element: the second rank of a host has an empty shard and still joins its host's sums
     tiny = hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Adasum, name="f.tiny")
-    return fused, single, tiny, split[0]
+    return fused, single, tiny, counts["split"], counts["swap"]
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("backend,hosts,shared,split", [
-    ("gloo", "a a b b", "1", 3), ("mpi", "a a b b", "1", 3),
-    ("gloo", "a a b b", "0", 0),       # no segment: RVH over the transport
-    ("gloo", "a b a b", "1", 0),       # a host's ranks are not consecutive: no subtree of its own
-    ("gloo", "a a b", "1", 0)])        # unequal hosts, and 3 ranks fold across them
-def test_flat_adasum_over_hosts_in_blocks(backend, hosts, shared, split):
+@pytest.mark.parametrize("backend,hosts,env,split,swap", [
+    ("gloo", "a a b b", {}, 3, 3), ("mpi", "a a b b", {}, 3, 3),
+    ("gloo", "a a b b", {"HOROVOD_NATIVE_KERNELS": "0"}, 3, 3),     # the torch code
+    ("gloo", "a b", {}, 0, 3),             # one rank a host: the pair swaps whole vectors
+    ("gloo", "a a b b", {"HOROVOD_SHARED_MEMORY": "0"}, 0, 0),   # no segment: RVH over all
+    ("gloo", "a b a b", {}, 0, 0),         # a host's ranks are not consecutive
+    ("gloo", "a a b", {}, 0, 0)])          # unequal hosts, and 3 ranks fold across them
+def test_flat_adasum_over_hosts_in_blocks(backend, hosts, env, split, swap):
     """Flat Adasum where hosts hold blocks of consecutive ranks, a power of two each, is the
     tree over all ranks in rank order, split at the hosts: each host's subtree through its
-    segment, the tree over the hosts across them on shards.  It is the flat tree's result
-    (1e-5), and only such layouts take the split (and every call of them does, at a threshold
-    of 0: with the transport's own threshold, MPI's 4 MiB, the small calls would not)."""
+    segment, the tree over the hosts across them on shards, where two hosts swap their
+    shards whole, as two ranks on two hosts swap their vectors.  Every result is the flat
+    tree's (1e-5), and only such layouts take the split and the swap (every call of them, at
+    a threshold of 0: with the transport's own, MPI's 4 MiB, the small calls would not)."""
     names = hosts.split()
     results = run_ranks(_flat_over_hosts, len(names), backend, hostnames=names, args=(0,),
-                        env={"HOROVOD_SHARED_MEMORY": shared}, timeout=150)
+                        env=env, timeout=150)
     n, shapes = len(names), [torch.Size(s) for s in LAYERS]
     expected = ref_tree([layers_for(r, 90) for r in range(n)], shapes)
     expected_single = ref_tree([[torch.arange(3001.0) * (r + 1) - r * 3] for r in range(n)],
                                [torch.Size([3001])])
     expected_tiny = ref_tree([[torch.tensor([r + 1.0])] for r in range(n)], [torch.Size([1])])
-    for r, (fused, single, tiny, took) in enumerate(results):
+    for r, (fused, single, tiny, took_split, took_swap) in enumerate(results):
         assert rel_err(fused, expected) < 1e-5, (r, rel_err(fused, expected))
         assert rel_err([single], expected_single) < 1e-5, (r, rel_err([single], expected_single))
         assert rel_err([tiny], expected_tiny) < 1e-6, (r, tiny, expected_tiny)
-        assert took == split, (r, took)
+        assert (took_split, took_swap) == (split, swap), r
+    # every rank ends with the same bits
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got[0], results[0][0]))
+        assert torch.equal(got[1], results[0][1])
 
 
 # --- DistributedOptimizer: gradients (SGD) or parameter changes (Adam) combined ---------------

@@ -12,7 +12,7 @@ runs the same operations on the same operands in the same roles, so all ranks en
 bits (the C kernels' sums have a fixed order on every CPU, and so have the fused kernels' that
 CUDA tensors take, and the torch code's: fixed-order reductions and scans, no atomics).
 """
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,7 +20,8 @@ from horovod_ext.backends.base import Communicator
 
 import numpy as np
 
-from .operator import EQUAL, WORKSPACE, LayerMap, adasum_pair_, kernels_for
+from .operator import (EQUAL, WORKSPACE, LayerMap, adasum_pair_, coefficients, combine_,
+                       kernels_for, partial_dots)
 
 
 def largest_power_of_two(n: int) -> int:
@@ -29,10 +30,13 @@ def largest_power_of_two(n: int) -> int:
 
 def splits_into_blocks(n: int, block: int) -> bool:
     """Whether the tree over ``n`` ranks (RVH's, the gather path's) has every run of ``block``
-    consecutive ranks as a subtree of its own: where both are powers of two, and ``block``
-    divides ``n``.  A count that is not a power of two folds ranks across the runs."""
-    return (n > 0 and block > 0 and n % block == 0
-            and largest_power_of_two(n) == n and largest_power_of_two(block) == block)
+    consecutive ranks as a subtree of its own: single ranks and all of them trivially, else
+    where both are powers of two (``block`` then divides ``n``).  A count that is not a power of
+    two folds ranks across the runs."""
+    if n <= 0 or block <= 0 or n % block:
+        return False
+    return (block in (1, n)
+            or (largest_power_of_two(n) == n and largest_power_of_two(block) == block))
 
 
 def tree_divisors(n: int, lo: int, d: int) -> Tuple[float, float]:
@@ -67,31 +71,49 @@ def tree_levels(n: int) -> List[List[Tuple[int, int, Tuple[float, float]]]]:
 
 
 def gather_adasum_(x: torch.Tensor, layers: LayerMap, comm: Communicator,
-                   order: Sequence[int]) -> torch.Tensor:
-    """Adasum of the whole flat tensor ``x`` over ``comm``, the tree taken in ``order``."""
+                   order: Sequence[int], offset: int = 0,
+                   extra_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                   ) -> torch.Tensor:
+    """Adasum of the whole flat tensor ``x`` over ``comm``, the tree taken in ``order``.  Two
+    ranks may hold a shard (elements [offset, offset + x.numel()) of the buffer ``layers``
+    maps) whose dot products ``extra_reduce`` sums over the ranks holding the other shards."""
     n = comm.size
     me = order.index(comm.rank)
     if n == 2:
-        peer = order[1 - me]
-        other = WORKSPACE.get("received", x.numel(), x.dtype, x.device)
-        comm.sendrecv(x, peer, other, peer)
-        kernels = kernels_for(x)
-        if kernels is not None:  # into x on both ranks: the C combine rounds alike either way
-            piece = layers.piece(0, x.numel())
-            tables = np.zeros(5 * layers.count)   # dots (layers, 3), then weights (layers, 2)
-            dots = tables.ctypes.data
-            mine, theirs = x.data_ptr(), other.data_ptr()
-            a, b = (mine, theirs) if me == 0 else (theirs, mine)
-            kernels.dots(a, b, piece, dots)
-            kernels.combine(mine, theirs, me == 0, dots, piece, dots + 24 * layers.count)
-        elif me == 0:
-            adasum_pair_(x, other, layers)
-        else:  # the same operation, a first, on both ranks: the same rounding
-            x.copy_(adasum_pair_(other, x, layers))
-        return x
+        return _pair_(x, layers, comm, order[1 - me], me == 0, offset, extra_reduce)
     rows = comm.allgather(x.view(1, -1))
     vectors = [rows[rank] for rank in order]
     for pairs in tree_levels(n):
         for a, b, divisors in pairs:
             adasum_pair_(vectors[a], vectors[b], layers, divisors)
     return x.copy_(vectors[0])
+
+
+def _pair_(x: torch.Tensor, layers: LayerMap, comm: Communicator, peer: int, first: bool,
+           offset: int, extra_reduce) -> torch.Tensor:
+    """Two ranks: one exchange of the whole vectors, then each computes the pair's dot
+    products (the same operands in the same roles on both: the same bits) and its result."""
+    other = WORKSPACE.get("received", x.numel(), x.dtype, x.device)
+    comm.sendrecv(x, peer, other, peer)
+    piece = layers.piece(offset, offset + x.numel())
+    kernels = kernels_for(x)
+    if kernels is not None:  # into x on both ranks: the C combine rounds alike either way
+        tables = np.zeros(5 * layers.count)   # dots (layers, 3), then weights (layers, 2)
+        dots = tables.ctypes.data
+        mine, theirs = x.data_ptr(), other.data_ptr()
+        a, b = (mine, theirs) if first else (theirs, mine)
+        kernels.dots(a, b, piece, dots)
+        if extra_reduce is not None:
+            table = torch.from_numpy(tables[:3 * layers.count]).view(layers.count, 3)
+            summed = extra_reduce(table)
+            if summed.data_ptr() != table.data_ptr():
+                table.copy_(summed)
+        kernels.combine(mine, theirs, first, dots, piece, dots + 24 * layers.count)
+        return x
+    a, b = (x, other) if first else (other, x)
+    dots = partial_dots(a, b, piece)
+    if extra_reduce is not None:
+        dots = extra_reduce(dots)
+    # the same operation, a first, on both ranks: the same rounding
+    result = combine_(a, b, True, coefficients(dots), piece)
+    return x if first else x.copy_(result)

@@ -38,12 +38,18 @@ from .operator import (WORKSPACE, Kernels, LayerMap, coefficients, combine_, ker
                        partial_dots)
 
 # Bytes a rank may receive from the others for the gather path (see gather.py): below this its
-# single collective beats RVH's 2 log2(n) + 1 synchronisation points.  At n = 2 RVH, with its
-# exchanges prepared once and its arithmetic on addresses (_Schedule), beats the single
-# exchange at every size measured, so two ranks always take RVH.  GATHER_LIMIT for n > 2
-# predates that change.
+# single collective beats RVH's 2 log2(n) + 1 synchronisation points.  At n = 2 on one host
+# RVH, with its exchanges prepared once and its arithmetic on addresses (_Schedule), beats the
+# single exchange at every size measured, so two ranks there always take RVH.  GATHER_LIMIT for
+# n > 2 predates that change.
 GATHER_LIMIT = 1 << 20
 PAIR_GATHER_LIMIT = 0
+# Bytes up to which a pair on two hosts swaps whole vectors (gather.py) instead of running RVH:
+# the same bytes in one round trip over the link instead of three (the halves, the products'
+# sum, the gather), for twice the arithmetic.  Lab, 1 Gbit/s, Gloo: 1 MiB 8.7 ms against
+# 10.6-12.2 (Sum 8.5-9.0), 16 MiB 143.2-143.6 against 145.8-146.5; at 64 MiB the arithmetic
+# shows (577-578 against 572-575), so larger vectors keep RVH.
+PAIR_SWAP_LIMIT = 16 << 20
 
 DotsReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -94,7 +100,8 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
     Whole vectors whose gathering would bring each rank at most ``gather_limit`` bytes from
     the others (default: PAIR_GATHER_LIMIT for 2 ranks, GATHER_LIMIT otherwise) go through
     gather.py (one collective) instead of RVH.  ``remote``: the ranks of ``comm`` on other
-    hosts, with which every exchange goes whole (see CHUNK_ELEMENTS).
+    hosts, with which every exchange goes whole (see CHUNK_ELEMENTS), and two of which swap
+    their whole vectors up to PAIR_SWAP_LIMIT.
     """
     n = comm.size
     if n == 1:
@@ -109,8 +116,11 @@ def adasum_allreduce_(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], comm: 
     if extra_reduce is None and offset == 0 and gathered_bytes <= gather_limit:
         with trace.activity("ADASUM_GATHER_AND_COMBINE", gathered_bytes // (n - 1)):
             return gather_adasum_(x, layers, comm, order)
+    if (n == 2 and order[1 - me] in remote
+            and x.numel() * x.element_size() <= PAIR_SWAP_LIMIT):
+        with trace.activity("ADASUM_PAIR_SWAP", trace.nbytes_of(x)):
+            return gather_adasum_(x, layers, comm, order, offset, extra_reduce)
     reduce_dots = extra_reduce or (lambda dots: dots)
-
     if me >= p:  # folded: hand the vector over, join the level sums, get the result back
         with trace.activity("ADASUM_FOLD_EXCHANGE", trace.nbytes_of(x)):
             _swap(comm, x, None, order[me - p])
