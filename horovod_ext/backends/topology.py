@@ -46,6 +46,12 @@ def _on_one_host(comm: Communicator) -> None:
         pair.on_one_host()
 
 
+def _fits(nbytes: int, room: Optional[int]) -> bool:
+    """Whether a slot for ``nbytes``, with a MiB to spare for the tables some steps keep beside
+    the buffer (in-node Adasum's), fits ``room`` (None: no limit)."""
+    return room is None or shm_files.slot_bytes(nbytes) + shm_files.MIB <= room
+
+
 @dataclass
 class Topology:
     world: Communicator
@@ -154,11 +160,11 @@ class Topology:
         directory leaves each local rank now, so that every local rank takes the same buffers
         through it.  Collective over the local ranks."""
         self.shared_memory, self.timeout = allowed, timeout
-        if allowed and self.local_size > 1 and shm.available():
+        usable = allowed and self.local_size > 1 and shm.available()
+        if usable:
             room = (shm_files.room_per_rank(shm.SEGMENT_DIR, self.local_size)
                     if self.local_rank == 0 else None)
             self.shared_memory_room = self.local.broadcast_object(room, root=0)
-        usable = allowed and self.local_size > 1 and shm.available()
         rooms = [self.shared_memory_room if usable else 0]
         if self.num_nodes > 1:
             rooms = self.world.allgather_object(rooms[0])
@@ -177,9 +183,7 @@ class Topology:
         """``in_node`` for a step that every node runs in its own segment at the same time,
         so that every rank must take the same way: this node's group where every host can
         take ``buffer`` (``shared_memory_everywhere``), else None on every rank."""
-        room = self.shared_memory_everywhere
-        nbytes = buffer.numel() * buffer.element_size()
-        if room == 0 or (room is not None and shm_files.slot_bytes(nbytes) + shm_files.MIB > room):
+        if not _fits(buffer.numel() * buffer.element_size(), self.shared_memory_everywhere):
             return None
         return self.in_node(buffer)
 
@@ -201,7 +205,7 @@ class Topology:
         """Whether a slot for ``nbytes`` fits the agreed room, with a MiB to spare for the
         tables some steps keep beside the buffer (in-node Adasum's); says so once where not."""
         room = self.shared_memory_room
-        if room is None or shm_files.slot_bytes(nbytes) + shm_files.MIB <= room:
+        if _fits(nbytes, room):
             return True
         if not self._said_too_large and self.local_rank == 0:
             log.warning(

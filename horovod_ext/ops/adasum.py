@@ -58,12 +58,7 @@ class AdasumOp(Op):
             if not span.hierarchical:
                 return adasum_allreduce_(part, bounds, span.comm,
                                          remote=span.topology.other_hosts)
-            # Across nodes in node order, the per-layer dot products also summed over the
-            # local ranks so that they cover whole layers (paper 4.2.2).
-            topology = span.topology
-            return adasum_allreduce_(part, bounds, span.comm, order=_node_order(topology),
-                                     extra_reduce=topology.local.allreduce, offset=span.offset,
-                                     remote=range(span.comm.size))
+            return _across_nodes(part, bounds, span.topology, span.offset)
 
         return comms.reduce(buffer, step, node_average=True, activity="ADASUM_CROSS")
 
@@ -77,21 +72,27 @@ class AdasumOp(Op):
 def _by_host(flat: torch.Tensor, bounds, group: SharedMemoryGroup, topology: Topology):
     """The tree over the ranks in rank order, split at the hosts (each a block of consecutive
     ranks, a subtree of the tree): the host's subtree through its segment, after which every
-    local rank holds the host's vector; the tree over the hosts on this rank's shard of it,
-    among the ranks with its local rank, with the per-layer dot products also summed over the
-    local ranks so that they cover whole layers (as the hierarchical step's); the shards
-    gathered through the segment.  In place."""
+    local rank holds the host's vector; the tree over the hosts on this rank's shard of it
+    (``_across_nodes``, as the hierarchical step's); the shards gathered through the segment.
+    In place."""
     with trace.activity("SHM_ADASUM", trace.nbytes_of(flat)):
         in_node_adasum_(flat, bounds, group)
     counts = split_sizes(flat.numel(), topology.local_size)
     offset = sum(counts[:topology.local_rank])
     part = flat[offset:offset + counts[topology.local_rank]]
     with trace.activity("ADASUM_CROSS", trace.nbytes_of(part)):
-        adasum_allreduce_(part, bounds, topology.cross, order=_node_order(topology),
-                          extra_reduce=topology.local.allreduce, offset=offset,
-                          remote=range(topology.cross.size))
+        _across_nodes(part, bounds, topology, offset)
     with trace.activity("SHM_NODE_ALLGATHER", trace.nbytes_of(flat)):
         group.allgather(flat, part)
+
+
+def _across_nodes(part: torch.Tensor, bounds, topology: Topology, offset: int) -> torch.Tensor:
+    """The tree over the nodes, in node order, on this rank's ``part`` (elements from
+    ``offset`` of the buffer) among the ranks with its local rank, the per-layer dot products
+    also summed over the local ranks so that they cover whole layers (paper 4.2.2)."""
+    return adasum_allreduce_(part, bounds, topology.cross, order=_node_order(topology),
+                             extra_reduce=topology.local.allreduce, offset=offset,
+                             remote=range(topology.cross.size))
 
 
 def _node_order(topology: Topology) -> Tuple[int, ...]:
