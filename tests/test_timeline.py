@@ -139,7 +139,8 @@ def test_hierarchical_steps_are_named(tmp_path):
     big = {e["name"] for e in tracks["allreduce.big"]}
     assert {"SHM_HIERARCHICAL_ALLREDUCE", "GLOO_CROSS_ALLREDUCE"} <= big, big
     ada = {e["name"] for e in tracks["allreduce.ada"]}
-    assert {"SHM_NODE_REDUCESCATTER", "ADASUM_CROSS", "ADASUM_LEVEL_0",
+    # two nodes: the pair swaps its shards whole (adasum/rvh.py: PAIR_SWAP_LIMIT)
+    assert {"SHM_NODE_REDUCESCATTER", "ADASUM_CROSS", "ADASUM_PAIR_SWAP",
             "SHM_NODE_ALLGATHER"} <= ada, ada
     rk = {e["name"] for e in tracks["allreduce.rk"]}
     assert {"SHM_NODE_REDUCESCATTER", "CROSS_STEP", "RANDOMK_GATHER", "SHM_NODE_ALLGATHER"} <= rk, rk
