@@ -17,6 +17,10 @@ alone.  Blocks of 15 such calls of each op take turns (``--user-blocks``, defaul
 median call of each block, and the median of those, is reported, and the ratio is the median of
 the blocks' ratios (each Adasum block against the Sum block beside it).
 
+``--tensors K`` makes every call one grouped allreduce (hvd.grouped_allreduce_) of K tensors of
+size / K bytes each, as a model's layers reach the allreduce together in one fusion buffer; Adasum
+combines each tensor with its own dot products, so its arithmetic is per layer.
+
 ``--lab RATE`` runs the same matrix across the two hosts of the network lab (tools/netlab.sh, at
 RATE per direction), np / 2 ranks on each: a training job's Adasum crosses a link, where the
 transfer, not the arithmetic both ops do in memory, sets the time.
@@ -46,11 +50,12 @@ def worker(args):
         g = torch.Generator().manual_seed(hvd.rank())
         gradient = torch.randn(size // 4, generator=g)
         buf = gradient.clone()
+        reduce_ = _reducer(hvd, buf, args.tensors)
 
         # Every call reduces the same fresh values, as a step reduces fresh gradients
         # (reducing the result again would double it under Sum until it overflows).
         methods = {op: (lambda op=op: (buf.copy_(gradient),
-                                       hvd.allreduce_(buf, op=ops[op], name=f"bench.{op}")))
+                                       reduce_(ops[op], f"bench.{op}")))
                    for op in ops}
         methods["refill"] = lambda: buf.copy_(gradient)
         for fn in methods.values():
@@ -62,7 +67,7 @@ def worker(args):
         calls, blocks = hvd.broadcast_object((calls, blocks), root_rank=0)  # the same everywhere
         samples = _spawn.interleaved_blocks(methods, calls, blocks, hvd.barrier)
         refill = statistics.median(samples.pop("refill"))
-        as_called = _as_called(hvd, ops, buf, gradient, args.user_blocks)
+        as_called = _as_called(hvd, ops, buf, gradient, reduce_, args.user_blocks)
         rows.append({"size": size, "calls": calls, "blocks": blocks,
                      **{f"{op}_called_us": statistics.median(ts) * 1e6
                         for op, ts in as_called.items()},
@@ -75,14 +80,26 @@ def worker(args):
     if hvd.rank() == 0:
         import json
         with open(args.result, "w") as f:
-            json.dump({"size": hvd.size(), "mpi": hvd.mpi_enabled(), "rows": rows}, f)
+            json.dump({"size": hvd.size(), "mpi": hvd.mpi_enabled(), "tensors": args.tensors,
+                       "rows": rows}, f)
     hvd.shutdown()
 
 
 _FRESH = itertools.count()
 
 
-def _as_called(hvd, ops, buf, gradient, blocks, calls=15):
+def _reducer(hvd, buf, tensors):
+    """reduce_(op, name): ``buf`` reduced in place, whole or as ``tensors`` equal views of it in
+    one grouped call."""
+    if tensors <= 1:
+        return lambda op, name: hvd.allreduce_(buf, op=op, name=name)
+    if buf.numel() % tensors:
+        raise SystemExit(f"--tensors {tensors} does not divide {buf.numel()} elements")
+    views = list(buf.view(tensors, -1).unbind(0))
+    return lambda op, name: hvd.grouped_allreduce_(views, op=op, name=name)
+
+
+def _as_called(hvd, ops, buf, gradient, reduce_, blocks, calls=15):
     """{op: [median call time of each block]}: each call after a barrier, under a new name."""
     out = {op: [] for op in ops}
     for block in range(blocks):
@@ -92,7 +109,7 @@ def _as_called(hvd, ops, buf, gradient, blocks, calls=15):
                 buf.copy_(gradient)
                 hvd.barrier()
                 t0 = time.perf_counter()
-                hvd.allreduce_(buf, op=ops[op], name=f"called.{op}.{next(_FRESH)}")
+                reduce_(ops[op], f"called.{op}.{next(_FRESH)}")
                 times.append(time.perf_counter() - t0)
             # the slowest rank's median is what the job waits for
             out[op].append(max(hvd.allgather_object(statistics.median(times))))
@@ -107,9 +124,11 @@ def runs_markdown(reports) -> str:
     """Both tables of several reports of the same matrix: per transport, np and size, each run's
     median of each op and each run's ratio Adasum / Sum, back-to-back calls then as called."""
     out = []
+    tensors = reports[0].get("tensors", 1)
+    each = f", each call {tensors} tensors of size / {tensors}" if tensors > 1 else ""
     for title, key, ratio in (("Back-to-back calls", "us", "ratio"),
                               ("As a script calls it", "called_us", "called_ratio")):
-        out += [f"{title}:", "",
+        out += [f"{title}{each}:", "",
                 "| transport | size | Sum us (runs) | Adasum us (runs) | Adasum / Sum (runs) |",
                 "| --- | ---: | --- | --- | --- |"]
         for i, run in enumerate(reports[0]["runs"]):
@@ -136,6 +155,8 @@ def main():
                    help="across the network lab's 2 hosts at RATE (1gbit, 100mbit; needs root)")
     p.add_argument("--user-blocks", type=int, default=3,
                    help="blocks of 15 calls as a script makes them (barrier, new name)")
+    p.add_argument("--tensors", type=int, default=1,
+                   help="each call one grouped allreduce of this many tensors of size / K")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -148,7 +169,7 @@ def main():
         return print(runs_markdown(reports))
     if args.quick:
         args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
-    report = {"runs": [], "lab": args.lab}
+    report = {"runs": [], "lab": args.lab, "tensors": args.tensors}
     with _spawn.lab(2, args.lab) if args.lab else contextlib.nullcontext():
         _matrix(args, report)
     _spawn.write_report(args.out, report)
@@ -163,7 +184,7 @@ def _matrix(args, report):
         for kind in args.backends.split(","):
             argv = [os.path.abspath(__file__), "--worker", "--seconds", str(args.seconds),
                     "--sizes", ",".join(map(str, args.sizes)),
-                    "--user-blocks", str(args.user_blocks)]
+                    "--user-blocks", str(args.user_blocks), "--tensors", str(args.tensors)]
             hosts = [f"nl-{i * 2 // np}" for i in range(np)] if args.lab else None
             rows = _spawn.run_collect(kind, argv, np, hosts=hosts)["rows"]
             for r in rows:
