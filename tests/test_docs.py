@@ -132,7 +132,9 @@ PRINTED = {  # pages whose tables a benchmark prints from their data: the page h
     "benchmarks/adasum.md": [
         ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_run{i}.json" for i in (1, 2, 3)],
         ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_lab_1gbit_run{i}.json"
-                                       for i in (1, 2)]],
+                                       for i in (1, 2)],
+        ["adasum.py", "--markdown"] + [f"docs/benchmarks/adasum_grouped_run{i}.json"
+                                       for i in (1, 2, 3)]],
     "benchmarks/end_to_end.md": [
         ["end_to_end.py", "--markdown"] + [f"docs/end_to_end_run{i}.json" for i in (1, 2, 3)]],
 }
