@@ -3,6 +3,7 @@
     python benchmarks/adasum.py              # the whole matrix
     python benchmarks/adasum.py --quick      # 3 sizes, np=2, shorter runs
     python benchmarks/adasum.py --lab 1gbit  # across the network lab's 2 hosts (root)
+    python benchmarks/adasum.py --tensors 64 # each call 64 layers in one grouped allreduce
     python benchmarks/adasum.py --markdown RUN.json ...   # earlier reports' tables, run by run
 
 Both ops reduce the same float32 values in place (hvd.allreduce_, the buffer refilled before
@@ -93,8 +94,6 @@ def _reducer(hvd, buf, tensors):
     one grouped call."""
     if tensors <= 1:
         return lambda op, name: hvd.allreduce_(buf, op=op, name=name)
-    if buf.numel() % tensors:
-        raise SystemExit(f"--tensors {tensors} does not divide {buf.numel()} elements")
     views = list(buf.view(tensors, -1).unbind(0))
     return lambda op, name: hvd.grouped_allreduce_(views, op=op, name=name)
 
@@ -169,6 +168,10 @@ def main():
         return print(runs_markdown(reports))
     if args.quick:
         args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
+    uneven = [size for size in args.sizes if size % (4 * max(args.tensors, 1))]
+    if uneven:   # before any rank starts, rather than a failure on every rank
+        p.error(f"--tensors {args.tensors} does not split {uneven} bytes into equal float32 "
+                "tensors")
     report = {"runs": [], "lab": args.lab, "tensors": args.tensors}
     with _spawn.lab(2, args.lab) if args.lab else contextlib.nullcontext():
         _matrix(args, report)
