@@ -92,7 +92,7 @@ _FRESH = itertools.count()
 def _reducer(hvd, buf, tensors):
     """reduce_(op, name): ``buf`` reduced in place, whole or as ``tensors`` equal views of it in
     one grouped call."""
-    if tensors <= 1:
+    if tensors == 1:
         return lambda op, name: hvd.allreduce_(buf, op=op, name=name)
     views = list(buf.view(tensors, -1).unbind(0))
     return lambda op, name: hvd.grouped_allreduce_(views, op=op, name=name)
@@ -123,7 +123,11 @@ def runs_markdown(reports) -> str:
     """Both tables of several reports of the same matrix: per transport, np and size, each run's
     median of each op and each run's ratio Adasum / Sum, back-to-back calls then as called."""
     out = []
-    tensors = reports[0].get("tensors", 1)
+    tensors = {report.get("tensors", 1) for report in reports}
+    if len(tensors) > 1:
+        raise SystemExit(f"the reports hold different --tensors ({sorted(tensors)}): one table "
+                         "needs one")
+    tensors = tensors.pop()
     each = f", each call {tensors} tensors of size / {tensors}" if tensors > 1 else ""
     for title, key, ratio in (("Back-to-back calls", "us", "ratio"),
                               ("As a script calls it", "called_us", "called_ratio")):
@@ -154,8 +158,8 @@ def main():
                    help="across the network lab's 2 hosts at RATE (1gbit, 100mbit; needs root)")
     p.add_argument("--user-blocks", type=int, default=3,
                    help="blocks of 15 calls as a script makes them (barrier, new name)")
-    p.add_argument("--tensors", type=int, default=1,
-                   help="each call one grouped allreduce of this many tensors of size / K")
+    p.add_argument("--tensors", type=int, default=1, metavar="K",
+                   help="each call one grouped allreduce of K tensors of size / K")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -168,7 +172,9 @@ def main():
         return print(runs_markdown(reports))
     if args.quick:
         args.sizes, args.nps, args.seconds = [4 * KIB, KIB * KIB, 16 * KIB * KIB], "2", 0.5
-    uneven = [size for size in args.sizes if size % (4 * max(args.tensors, 1))]
+    if args.tensors < 1:
+        p.error(f"--tensors must be at least 1, not {args.tensors}")
+    uneven = [size for size in args.sizes if size % (4 * args.tensors)]
     if uneven:   # before any rank starts, rather than a failure on every rank
         p.error(f"--tensors {args.tensors} does not split {uneven} bytes into equal float32 "
                 "tensors")
